@@ -1,0 +1,219 @@
+"""Chunk-parallel KVM for prefill and training, in plain torch (CPU and GPU).
+
+The state recurrence depends only on k, v and the gate, never on attention outputs, so:
+
+1. route first: one no-grad pass over the overflow blocks decides, for every token that enters
+   the state, its destination row (a new row, or the merge target);
+2. rebuild the state each query chunk sees as a differentiable function of the tokens:
+   ``s(c) = s_carried + sum over tokens arrived by chunk c of onehot(dest) * contribution``,
+   a scatter into per-chunk increments followed by a cumulative sum over chunks (radii and the
+   ablation's row counts are rebuilt the same way);
+3. attend all query chunks of a group to ``[readout(s(c)) ; window(c)]`` in one SDPA call with a
+   boolean mask (rows not yet created and future window tokens hidden).
+
+Groups of chunks bound the working memory; under autograd a group is checkpointed when the
+activations saved for backward would be large, so backward never keeps a state copy per chunk.
+Deviation from ``naive.py``: the order in which contributions are summed (tested within tolerance).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
+from .schedule import bswa_begin, plan_updates
+from .state import KVMState
+
+GROUP_BYTES = 256 << 20        # working set of one group's attention call
+CHECKPOINT_BYTES = 1 << 30     # checkpoint groups when activations saved for backward would exceed this
+
+
+@dataclass
+class _Routes:
+    dest: Tensor            # [B, Hkv, N] row each local token joins, -1 if it does not enter the state here
+    created: Tensor         # [B, Hkv, N] token creates a row (initial fill or append)
+    ungated: Tensor         # [B, Hkv, N] token enters with its ungated key/value
+    rows_at: List[int]      # rows visible to query chunk c (0 while the state is inactive)
+    keys: Tensor            # exact final state from the routing pass (no autograd)
+    values: Tensor
+    radii: Tensor
+    coverage: int
+
+
+def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
+                        state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
+                        gate_appends=False, checkpoint_groups="auto", group_bytes=GROUP_BYTES):
+    """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`; returns ``(y, new_state)``.
+
+    ``checkpoint_groups``: True / False / "auto" (by estimated saved bytes); ``group_bytes`` bounds
+    the size of one batched attention call.
+    """
+    C, n = state.chunk_len, state.n_bswa_chunks
+    ln = (state_norm_weight, state_norm_bias, state_norm_eps)
+    t0, T = state.seen_tokens, q.shape[2]
+    t1, w0 = t0 + T, state.window_start
+    wk, wv, wg = state.window()
+    kk, vv, gg = torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)  # tokens [w0, t1)
+    kbar = memory_keys(kk, state.rope_dim, *ln)
+
+    routes = _route(state, kbar.detach(), vv.detach(), gg.detach(), budget, ln, t1, gate_keys, gate_values,
+                    gate_appends)
+    dk, dv, rad = token_streams(kbar, vv, gg, routes.ungated, gate_keys=gate_keys, gate_values=gate_values,
+                                gate_appends=False)
+    dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
+    m_final = routes.keys.shape[2]
+    base = [_pad_rows(t, m_final) for t in state.rows()]       # sums of tokens arrived before the group
+    streams = (dk, dv, dr)
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *base, *streams))
+    c_first, c_last = t0 // C, (t1 - 1) // C
+    per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
+    groups = _groups(c_first, c_last, n * C, routes.rows_at, per_row, group_bytes)
+    if checkpoint_groups == "auto":
+        saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * per_row * 4
+        checkpoint_groups = needs_grad and saved > CHECKPOINT_BYTES
+    geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
+               ln_eps=state_norm_eps)
+    arrival = torch.arange(w0, t1, device=q.device) // C + n      # first query chunk that sees each token
+    outs, done = [], 0
+    for ca, cb in groups:
+        upto = int((arrival < ca).sum())
+        if upto > done:
+            base = [_scatter_tokens(b, routes.dest[..., done:upto], s[:, :, done:upto]) for b, s in zip(base, streams)]
+            done = upto
+        hi = int((arrival < cb).sum())
+        args = (q, kk, vv, *base, *(s[:, :, done:hi] for s in streams), routes.dest[..., done:hi], arrival[done:hi],
+                state_temp, bswa_temp, state_norm_weight, state_norm_bias)
+        fn = lambda *a, ca=ca, cb=cb: _attend_group(ca, cb, *a, **geo)
+        outs.append(checkpoint(fn, *args, use_reentrant=False) if checkpoint_groups else fn(*args))
+    y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
+
+    if needs_grad:      # differentiable final state (backpropagation through a carried state)
+        keys, values, radii = (_scatter_tokens(_pad_rows(b, m_final), routes.dest, s)
+                               for b, s in zip(state.rows(), streams))
+    else:
+        keys, values, radii = routes.keys, routes.values, routes.radii
+    ws = bswa_begin(t1, C, n) - w0
+    out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=m_final,
+                         seen_tokens=t1, coverage=routes.coverage, chunk_len=C, n_bswa_chunks=n,
+                         sink_len=state.sink_len, rope_dim=state.rope_dim, value_radius=state.value_radius,
+                         extras=state.extras)
+    return y, out_state
+
+
+def _attend_group(ca, cb, q, kk, vv, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
+                  ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps):
+    """Outputs ``[B, H, (cb-ca)*C, Dv]`` of query chunks ``[ca, cb)``; tokens ``dk/dv/dr`` arrive inside the group."""
+    B, H, _, D = q.shape
+    Hkv, Dv, G = kk.shape[1], vv.shape[-1], cb - ca
+    rep = H // Hkv
+    heads = lambda x: x.repeat_interleave(rep, dim=1) if rep > 1 else x
+    qs = _time_slice(q, ca * C - t0, cb * C - t0).unflatten(2, (G, C))              # [B,H,G,C,D]
+    kw = _time_slice(kk, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, n * C, C).transpose(-1, -2)  # [B,Hkv,G,nC,D]
+    vw = _time_slice(vv, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, n * C, C).transpose(-1, -2)
+    keys = heads(kw) * bswa_temp.view(1, H, 1, 1, 1)
+    values = heads(vw)
+
+    q_pos = (torch.arange(ca * C, cb * C, device=q.device)).view(G, C, 1)
+    k_pos = ((torch.arange(ca, cb, device=q.device) + 1 - n) * C).view(G, 1, 1) + torch.arange(n * C, device=q.device)
+    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))                                  # [G, C, nC]
+    M = rows_at[cb - 1]
+    if M:
+        snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
+        for b, s in zip((base_k, base_v, base_r), (dk, dv, dr)):
+            inc = b.new_zeros(*b.shape[:2], G * M, *b.shape[3:])
+            inc = _scatter_tokens(inc, torch.where(dest >= 0, (arrival - ca) * M + dest, -1), s)
+            snap.append(inc.unflatten(2, (G, M)).cumsum(2) + b[:, :, :M].unsqueeze(2))
+        k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)               # [B,Hkv,G,M,D]
+        keys = torch.cat([heads(k_hat) * state_temp.view(1, H, 1, 1, 1), keys], 3)
+        values = torch.cat([heads(v_hat), values], 3)
+        visible = torch.arange(M, device=q.device) < torch.tensor(rows_at[ca:cb], device=q.device).view(G, 1, 1)
+        mask = torch.cat([visible.expand(G, C, M), mask], 2)
+    flat = lambda x: x.transpose(1, 2).flatten(0, 1)                                  # [B,H,G,...] -> [B*G,H,...]
+    y = F.scaled_dot_product_attention(flat(qs), flat(keys), flat(values),
+                                       attn_mask=mask.unsqueeze(1).repeat(B, 1, 1, 1), scale=scale)
+    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+
+
+def _groups(c_first, c_last, window, rows_at, per_row, group_bytes):
+    """Split query chunks ``[c_first, c_last]`` into runs whose attention working set fits ``group_bytes``."""
+    groups, ca = [], c_first
+    while ca <= c_last:
+        cb = ca + 1
+        while cb <= c_last and (cb + 1 - ca) * (rows_at[cb] + window) * per_row <= group_bytes:
+            cb += 1
+        groups.append((ca, cb))
+        ca = cb
+    return groups
+
+
+def _time_slice(x: Tensor, start: int, end: int) -> Tensor:
+    """``x[:, :, start:end]`` with zeros where the range leaves ``[0, x.shape[2])``."""
+    lo, hi = max(start, 0), min(end, x.shape[2])
+    core = x[:, :, lo:max(hi, lo)]
+    pad = [0, 0] * (x.dim() - 3) + [lo - start, end - max(hi, lo)]
+    return F.pad(core, pad) if any(pad) else core
+
+
+def _pad_rows(t: Tensor, m: int) -> Tensor:
+    pad = [0, 0] * (t.dim() - 3) + [0, m - t.shape[2]]
+    return F.pad(t, pad)
+
+
+def _scatter_tokens(base: Tensor, dest: Tensor, contrib: Tensor) -> Tensor:
+    """``base[b, h, dest[b, h, j]] += contrib[b, h, j]`` for tokens with ``dest >= 0`` (out of place)."""
+    keep = dest >= 0
+    idx = dest.clamp_min(0)
+    if contrib.dim() == 4:
+        keep, idx = keep.unsqueeze(-1), idx.unsqueeze(-1).expand_as(contrib)
+    return base.scatter_add(2, idx, torch.where(keep, contrib, 0))
+
+
+@torch.no_grad()
+def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends) -> _Routes:
+    """Run the state recurrence once without gradients; record where each token went."""
+    C, n, w0 = state.chunk_len, state.n_bswa_chunks, state.window_start
+    B, Hkv, N, _ = kbar.shape
+    m, cov = state.num_rows, state.coverage
+    fill = max(0, min(t1, C) - cov)
+    steps = plan_updates(budget, cov + fill, m + fill, t1, C, n)
+    K, V, R = (_pad_rows(t.detach(), steps[-1].rows_after if steps else m + fill).clone() for t in state.rows())
+    dest = torch.full((B, Hkv, N), -1, dtype=torch.long, device=kbar.device)
+    created = torch.zeros(B, Hkv, N, dtype=torch.bool, device=kbar.device)
+    ungated = created.clone()
+    block_rows = {}                                   # block index -> rows once it is in the state
+    if fill:                                          # the first chunk is copied into the state
+        loc = slice(cov - w0, cov + fill - w0)
+        K[:, :, m:m + fill] = kbar[:, :, loc]
+        V[:, :, m:m + fill] = vv[:, :, loc]
+        R[:, :, m:m + fill] = vv[:, :, loc].norm(dim=-1) if state.value_radius else 1
+        dest[:, :, loc] = torch.arange(m, m + fill, device=kbar.device)
+        created[:, :, loc] = ungated[:, :, loc] = True
+        m, cov = m + fill, cov + fill
+        block_rows[0] = m
+    everyone = torch.ones(B, Hkv, C, dtype=torch.bool, device=kbar.device)
+    for step in steps:
+        loc = slice(step.start - w0, step.start + C - w0)
+        sel, vb, gb = kbar[:, :, loc], vv[:, :, loc], gg[:, :, loc]
+        ak, _, _ = token_streams(sel, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
+                                 gate_appends=gate_appends)
+        d, app = route_overflow(state_layer_norm(K[:, :, :m], *ln), sel, state_layer_norm(ak, *ln), step.n_append,
+                                state.sink_len)
+        dk, dv, rad = token_streams(sel, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
+                                    gate_appends=gate_appends)
+        K.scatter_add_(2, d.unsqueeze(-1).expand_as(dk), dk)
+        V.scatter_add_(2, d.unsqueeze(-1).expand_as(dv), dv)
+        R.scatter_add_(2, d, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
+        dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
+        m, cov = step.rows_after, step.start + C
+        block_rows[step.start // C] = m
+    rows_at, rows = [], state.num_rows
+    for c in range((t1 - 1) // C + 1):              # block b is visible from query chunk b + n on
+        rows = block_rows.get(c - n, rows)
+        rows_at.append(rows if c >= n else 0)
+    return _Routes(dest, created, ungated, rows_at, K, V, R, cov)

@@ -1,0 +1,179 @@
+"""Public entry point ``kvm_attention``: validates inputs and dispatches to a path."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .budget import BudgetLike, StateBudget, as_budget
+from .state import KVMState
+
+BACKENDS = ("auto", "naive", "chunked", "recurrent")
+
+
+def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None, *, chunk_len: int = 256,
+                  n_bswa_chunks: int = 2, sink_len: int = 1, rope_dim: int = 0,
+                  budget: BudgetLike = StateBudget.fixed(256), state_norm_weight: Optional[Tensor] = None,
+                  state_norm_bias: Optional[Tensor] = None, state_norm_eps: float = 1e-5,
+                  state_temp: Optional[Tensor] = None, bswa_temp: Optional[Tensor] = None,
+                  value_radius: bool = True, scale: Optional[float] = None,
+                  initial_state: Optional[KVMState] = None, return_state: bool = False,
+                  gate_keys: bool = True, gate_values: bool = True, gate_appends: bool = False,
+                  backend: str = "auto"):
+    """Key-Value Means attention: exact block sliding window + compressed state, one softmax.
+
+    Args:
+        q: ``[B, H, T, D]`` queries (after q-norm / RoPE).
+        k: ``[B, Hkv, T, D]`` keys (after k-norm / RoPE); ``H % Hkv == 0`` (GQA: head h reads kv head h // (H/Hkv)).
+        v: ``[B, Hkv, T, Dv]`` values.
+        gate: ``[B, Hkv, T]`` merge gate ``g > 0`` (already ``1 + ELU``); None means 1.
+        chunk_len: C, tokens per block.  n_bswa_chunks: n, blocks kept uncompressed (L = n*C).
+        sink_len: leading state rows never merged into (attention sinks); ``0 <= sink_len < chunk_len``.
+        rope_dim: leading key channels (the rotary ones) zeroed before a key enters the state.
+        budget: state size schedule, a :class:`StateBudget`, an int (fixed) or a callable ``ctx_len -> rows``.
+        state_norm_weight, state_norm_bias: ``[D]`` affine of LN_s (None: no affine). state_norm_eps: its eps.
+        state_temp, bswa_temp: ``[H]`` inverse temperatures of state keys / window keys (None: 1).
+        value_radius: False is the ablation that reads state values as running means.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        initial_state: a :class:`KVMState` returned earlier; the call continues that sequence and
+            **advances the object in place** (it is a cache; ``clone()`` it to keep the old one).
+        return_state: also return the state.
+        gate_keys, gate_values: multiply merged keys / values by the gate.
+        gate_appends: also gate the rows created by appends (the authors' ``kvm_apply_merge_gate_to_appends``).
+        backend: ``"auto"`` | ``"naive"`` (the spec) | ``"chunked"`` (prefill/training) | ``"recurrent"``
+            (no-grad continuation / decode). All give the same result.
+    Returns:
+        ``y [B, H, T, Dv]`` in q's dtype, or ``(y, state)`` with ``return_state=True``.
+    """
+    B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
+    gate = _check_gate(gate, q, B, Hkv, T)
+    _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend)
+    budget_fn = as_budget(budget)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    state_temp = _check_vec(state_temp, "state_temp", H, q, compute)
+    bswa_temp = _check_vec(bswa_temp, "bswa_temp", H, q, compute)
+    ln_w = _check_vec(state_norm_weight, "state_norm_weight", D, q, None)
+    ln_b = _check_vec(state_norm_bias, "state_norm_bias", D, q, None)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    geometry = dict(chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim,
+                    value_radius=bool(value_radius))
+    if initial_state is None:
+        state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=q.device, **geometry)
+    else:
+        if not isinstance(initial_state, KVMState):
+            raise TypeError(f"initial_state must be a KVMState returned by kvm_attention, got {type(initial_state).__name__}")
+        initial_state.check_compatible(batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, device=q.device, **geometry)
+        if initial_state.dtype != compute:
+            raise ValueError(f"initial_state is {initial_state.dtype} but this call computes in {compute}; "
+                             f"convert it with state.to({compute})")
+        state = initial_state
+    _check_budget_against_state(budget, state, chunk_len)
+
+    if T == 0:
+        y = q.new_zeros(B, H, 0, Dv)
+        return (y, state) if return_state else y
+    kwargs = dict(budget=budget_fn, state_norm_weight=ln_w, state_norm_bias=ln_b, state_norm_eps=state_norm_eps,
+                  state_temp=state_temp, bswa_temp=bswa_temp, scale=scale, gate_keys=gate_keys,
+                  gate_values=gate_values, gate_appends=gate_appends)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
+    if backend == "auto":
+        backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
+    if backend == "recurrent" and needs_grad:
+        raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
+                         "backend='chunked' or call it under torch.no_grad()")
+    args = [t.to(compute) for t in (q, k, v, gate)]
+    if backend == "naive":
+        from .naive import naive_kvm_attention as impl
+    elif backend == "chunked":
+        from .chunk import chunk_kvm_attention as impl
+    else:
+        from .recurrent import recurrent_kvm_attention as impl
+    y, new_state = impl(*args, state, **kwargs)
+    if new_state is not state:          # the carried state object is a cache: advance it in place
+        if initial_state is not None:
+            initial_state.__dict__.update(new_state.__dict__)
+            new_state = initial_state
+    y = y.to(q.dtype)
+    return (y, new_state) if return_state else y
+
+
+def _check_tensors(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            want = "[B, H, T, D]" if name == "q" else ("[B, Hkv, T, D]" if name == "k" else "[B, Hkv, T, Dv]")
+            raise ValueError(f"{name} must be 4-D {want}, got shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast q, k, v to one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put q, k, v on one device")
+    B, H, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[2] != T or v.shape[2] != T:
+        raise ValueError(f"sequence lengths differ: q has T={T}, k has {k.shape[2]}, v has {v.shape[2]}; "
+                         f"q, k, v must cover the same tokens")
+    if k.shape[3] != D:
+        raise ValueError(f"k has head dim {k.shape[3]} but q has {D}; q and k must share D")
+    Hkv = k.shape[1]
+    if v.shape[1] != Hkv:
+        raise ValueError(f"v has {v.shape[1]} heads but k has {Hkv}; k and v must have the same Hkv")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"q has H={H} heads, not a multiple of k's Hkv={Hkv} (GQA needs H % Hkv == 0)")
+    return B, H, T, D, Hkv, v.shape[3]
+
+
+def _check_gate(gate, q, B, Hkv, T):
+    if gate is None:
+        return torch.ones(B, Hkv, T, dtype=q.dtype, device=q.device)
+    if not isinstance(gate, Tensor):
+        raise TypeError(f"gate must be a tensor [B, Hkv, T] or None, got {type(gate).__name__}")
+    if gate.dim() == 4 and gate.shape[-1] == 1:
+        gate = gate.squeeze(-1)
+    if tuple(gate.shape) != (B, Hkv, T):
+        raise ValueError(f"gate must be [B, Hkv, T] = {[B, Hkv, T]}, got shape {list(gate.shape)}")
+    if gate.device != q.device:
+        raise ValueError(f"gate is on {gate.device} but q is on {q.device}")
+    return gate
+
+
+def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend):
+    if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
+        raise ValueError(f"chunk_len must be a positive int, got {chunk_len!r}")
+    if isinstance(n_bswa_chunks, bool) or not isinstance(n_bswa_chunks, int) or n_bswa_chunks < 1:
+        raise ValueError(f"n_bswa_chunks must be an int >= 1, got {n_bswa_chunks!r}")
+    if not isinstance(sink_len, int) or not 0 <= sink_len < chunk_len:
+        raise ValueError(f"sink_len={sink_len!r} leaves no mergeable state row: it must satisfy "
+                         f"0 <= sink_len < chunk_len={chunk_len}")
+    if not isinstance(rope_dim, int) or not 0 <= rope_dim <= D:
+        raise ValueError(f"rope_dim must be an int in [0, D={D}], got {rope_dim!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _check_budget_against_state(budget, state, chunk_len):
+    if isinstance(budget, StateBudget) and budget.kind == "fixed":
+        floor = max(state.num_rows, chunk_len)
+        if budget.n < floor:
+            what = f"the carried state's {state.num_rows} rows" if state.num_rows > chunk_len else \
+                f"the initial state of chunk_len={chunk_len} rows"
+            raise ValueError(f"budget={budget!r} would shrink the state below {what}; the state never shrinks: "
+                             f"use StateBudget.fixed({floor}) or more")
+
+
+def _check_vec(t, name, size, q, dtype):
+    if t is None:
+        return None if dtype is None else torch.ones(size, dtype=dtype, device=q.device)
+    if not isinstance(t, Tensor) or tuple(t.shape) != (size,):
+        shape = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a tensor of shape [{size}], got {shape}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    return t if dtype is None else t.to(dtype)

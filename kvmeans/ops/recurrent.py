@@ -1,0 +1,149 @@
+"""Recurrent KVM: continue a carried state with 1 (decode), a few, or many tokens; no autograd.
+
+Buffers are preallocated and written in place: state rows grow geometrically, the window buffer
+holds ``L + C`` tokens and slides by one chunk when a block leaves it (one copy per C tokens).
+The JIT-normalised state is cached between chunk boundaries, so a decode step costs
+O((rows + window) * D) per head and never grows with the tokens seen.
+Deviation from ``naive.py``: temperatures are applied to the query instead of the keys (same product).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
+from .schedule import bswa_begin, plan_updates
+from .state import KVMState
+
+
+@torch.no_grad()
+def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
+                            state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
+                            gate_appends=False):
+    """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`, but advances ``state`` in place
+    and returns ``(y, state)``."""
+    C, n = state.chunk_len, state.n_bswa_chunks
+    ln = (state_norm_weight, state_norm_bias, state_norm_eps)
+    _own_buffers(state)
+    t0, T = state.seen_tokens, q.shape[2]
+    outs, pos = [], t0
+    while pos < t0 + T:
+        e = min(t0 + T, (pos // C + 1) * C)              # queries [pos, e) lie in one chunk
+        w_start = state.window_start
+        new = slice(pos - t0, e - t0)
+        at = slice(pos - w_start, e - w_start)
+        state.window_keys[:, :, at] = k[:, :, new]
+        state.window_values[:, :, at] = v[:, :, new]
+        state.window_gates[:, :, at] = gate[:, :, new]
+        _fill_initial(state, e, w_start, ln)
+        for step in plan_updates(budget, state.coverage, state.num_rows, e, C, n):
+            _update(state, step, w_start, ln, gate_keys, gate_values, gate_appends)
+        drop = bswa_begin(e, C, n) - w_start
+        if drop:                                          # slide the window by the block(s) that left it
+            keep = e - w_start - drop
+            for buf in (state.window_keys, state.window_values, state.window_gates):
+                buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
+        state.seen_tokens = e
+        outs.append(_attend(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
+        pos = e
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+
+
+def _own_buffers(state: KVMState) -> None:
+    """Make the state's buffers detached, contiguous, and large enough for in-place writes."""
+    L, C = state.n_bswa_chunks * state.chunk_len, state.chunk_len
+    if state._owned and state.window_capacity >= L + C:
+        return
+    keys, values, radii = state.rows()
+    wk, wv, wg = state.window()
+    B, Hkv, _, D = keys.shape
+    cap = max(2 * C, state.num_rows + C)
+    _alloc(state, cap, L + C, keys, values, radii, wk, wv, wg)
+
+
+def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
+    B, Hkv, D, Dv = keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]
+    fresh = KVMState.empty(B, Hkv, D, Dv, dtype=keys.dtype, device=keys.device, chunk_len=state.chunk_len,
+                           n_bswa_chunks=state.n_bswa_chunks, sink_len=state.sink_len, rope_dim=state.rope_dim,
+                           value_radius=state.value_radius, row_capacity=rows_cap, window_capacity=win_cap)
+    m, w = keys.shape[2], wk.shape[2]
+    fresh.keys[:, :, :m], fresh.values[:, :, :m], fresh.radii[:, :, :m] = keys, values, radii
+    fresh.window_keys[:, :, :w], fresh.window_values[:, :, :w], fresh.window_gates[:, :, :w] = wk, wv, wg
+    for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
+        setattr(state, name, getattr(fresh, name))
+    state._owned, state._readout = True, None
+
+
+def _reserve_rows(state: KVMState, rows: int) -> None:
+    if rows > state.row_capacity:                    # geometric growth: amortised O(1) copies per row
+        _alloc(state, max(rows, 2 * state.row_capacity), state.window_capacity, *state.rows(),
+               state.window_keys, state.window_values, state.window_gates)
+
+
+def _fill_initial(state: KVMState, e: int, w_start: int, ln) -> None:
+    """While the first chunk is incomplete its tokens are copied into the state as rows."""
+    cov, C = state.coverage, state.chunk_len
+    fill = min(e, C) - cov
+    if fill <= 0:
+        return
+    _reserve_rows(state, state.num_rows + fill)
+    m, loc = state.num_rows, slice(cov - w_start, cov + fill - w_start)
+    vals = state.window_values[:, :, loc]
+    state.keys[:, :, m:m + fill] = memory_keys(state.window_keys[:, :, loc], state.rope_dim, *ln)
+    state.values[:, :, m:m + fill] = vals
+    state.radii[:, :, m:m + fill] = vals.norm(dim=-1) if state.value_radius else 1
+    state.num_rows, state.coverage, state._readout = m + fill, cov + fill, None
+
+
+def _update(state: KVMState, step, w_start: int, ln, gate_keys, gate_values, gate_appends) -> None:
+    """The overflow block ``[step.start, step.start + C)`` enters the state (append + merge, in place)."""
+    C = state.chunk_len
+    loc = slice(step.start - w_start, step.start + C - w_start)
+    kbar = memory_keys(state.window_keys[:, :, loc], state.rope_dim, *ln)
+    vb, gb = state.window_values[:, :, loc], state.window_gates[:, :, loc]
+    everyone = torch.ones_like(gb, dtype=torch.bool)
+    ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
+                             gate_appends=gate_appends)
+    K, _, _ = state.rows()
+    dest, app = route_overflow(state_layer_norm(K, *ln), kbar, state_layer_norm(ak, *ln), step.n_append,
+                               state.sink_len)
+    dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
+                                gate_appends=gate_appends)
+    _reserve_rows(state, step.rows_after)
+    m1 = step.rows_after
+    state.keys[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dk), dk)
+    state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
+    state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
+    state.num_rows, state.coverage, state._readout = m1, step.start + C, None
+
+
+def _readout_cached(state: KVMState, ln):
+    w, b, eps = ln
+    key = (state.num_rows, id(w), None if w is None else w._version, id(b), None if b is None else b._version, eps)
+    if state._readout is None or state._readout[0] != key:
+        state._readout = (key, *readout(*state.rows(), state.value_radius, *ln))
+    return state._readout[1], state._readout[2]
+
+
+def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
+    """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``."""
+    B, H, t, D = q.shape
+    Hkv = state.keys.shape[1]
+    rep, w = H // Hkv, state.window_len
+    group = lambda x: x.reshape(B, Hkv, rep * t, x.shape[-1])          # query heads of one kv head together
+    wk, wv, _ = state.window()
+    scores = group(q * (bswa_temp * scale).view(1, H, 1, 1)) @ wk.transpose(-1, -2)   # [B, Hkv, rep*t, w]
+    if t > 1:   # causal inside the window: window token j sits at position window_start + j
+        q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(rep).view(rep * t, 1)
+        k_pos = torch.arange(state.window_start, state.seen_tokens, device=q.device)
+        scores = scores.masked_fill(k_pos > q_pos, -math.inf)
+    values = wv
+    if state.window_start > 0:                                          # the state is active
+        k_hat, v_hat = _readout_cached(state, ln)
+        s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
+        scores = torch.cat([s_scores, scores], -1)
+        values = torch.cat([v_hat, wv], 2)
+    y = torch.softmax(scores, -1) @ values                              # [B, Hkv, rep*t, Dv]
+    return y.view(B, H, t, -1)

@@ -1,0 +1,105 @@
+"""The state maths shared by every path: memory keys, readout, and the discrete routing.
+
+Routing decisions (which overflow tokens are appended, which row each merged token joins) carry
+no gradient (paper Sec. 3.2). They are computed here, once, with deterministic tie-breaking:
+append ranking is a stable sort (lower token index first on equal scores), merge targets take the
+lowest row index on equal scores. Both use the *ungated* memory key: ``argmax_i g*k.s_i`` equals
+``argmax_i k.s_i`` for ``g > 0`` (paper eq. for pi_e(j)), and the ungated form cannot flip under
+rounding of ``g``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+RADIUS_EPS = 1e-12  # epsilon_norm of the readout (F.normalize's default, as the reference)
+
+
+def state_layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
+    """LN_s over the last dim (the affine LayerNorm shared by all heads of a layer)."""
+    w = None if weight is None else weight.to(x.dtype)
+    b = None if bias is None else bias.to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+def memory_keys(k: Tensor, rope_dim: int, weight, bias, eps: float) -> Tensor:
+    """k_bar = LN_s(k with its first ``rope_dim`` (rotary) channels zeroed). ``[..., D] -> [..., D]``.
+
+    After the LayerNorm the zeroed channels are no longer zero; they are not re-zeroed (as the reference).
+    """
+    if rope_dim:
+        k = F.pad(k[..., rope_dim:], (rope_dim, 0))
+    return state_layer_norm(k, weight, bias, eps)
+
+
+def readout(keys: Tensor, values: Tensor, radii: Tensor, value_radius: bool, weight, bias, eps: float):
+    """JIT-normalised state (paper "Readout"): ``(LN_s(s^K), rho * s^V / max(|s^V|, eps))``.
+
+    With ``value_radius=False`` (ablation) ``radii`` holds per-row token counts and values are read
+    out as running means ``s^V / count`` (the intent of the reference's buggy flag, section 1.9).
+    Shapes ``[..., m, D]``, ``[..., m, Dv]``, ``[..., m]``.
+    """
+    k_hat = state_layer_norm(keys, weight, bias, eps)
+    if value_radius:
+        norm = values.norm(dim=-1, keepdim=True).clamp_min(RADIUS_EPS)
+        v_hat = values * (radii.unsqueeze(-1) / norm)
+    else:
+        v_hat = values / radii.unsqueeze(-1).clamp_min(1)
+    return k_hat, v_hat
+
+
+@torch.no_grad()
+def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_append: int, sink_len: int):
+    """Decide the fate of one overflow block (paper "Append" and "Merge").
+
+    Args:
+        rows_hat: ``[B, Hkv, m, D]`` LN_s of the current state keys.
+        sel: ``[B, Hkv, C, D]`` memory keys k_bar of the overflow tokens (ungated).
+        append_keys_hat: ``[B, Hkv, C, D]`` LN_s of the key each token would get as a new row.
+        n_append: tokens to append (the same for every sequence and head: the schedule is positional).
+        sink_len: leading rows that are never merge targets.
+    Returns:
+        ``dest [B, Hkv, C]`` long, the row each token joins (appended tokens get new rows
+        ``m, m+1, ...`` in token order), and ``appended [B, Hkv, C]`` bool.
+    """
+    m, n_tok = rows_hat.shape[-2], sel.shape[-2]
+    if n_append >= n_tok:
+        appended = torch.ones(sel.shape[:-1], dtype=torch.bool, device=sel.device)
+    elif n_append <= 0:
+        appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device)
+    else:
+        # s_j = max_i k_bar_j . LN_s(s_i): the least redundant tokens (smallest s_j) are appended
+        novelty = (sel @ rows_hat.transpose(-1, -2)).amax(-1)
+        order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
+        appended = torch.zeros_like(novelty, dtype=torch.bool).scatter_(-1, order, True)
+    new_rows = m + appended.cumsum(-1) - 1
+    if bool(appended.all()):
+        return new_rows, appended
+    n_new = min(max(n_append, 0), n_tok)
+    if n_new:
+        # merge targets include the rows appended in this same step, in token order
+        token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
+        added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
+        rows_hat = torch.cat([rows_hat, added], dim=-2)
+    logits = sel @ rows_hat.transpose(-1, -2)
+    s = min(sink_len, m)
+    if s:
+        logits[..., :s] = float("-inf")
+    target = logits.argmax(-1)
+    return torch.where(appended, new_rows, target), appended
+
+
+def token_streams(kbar: Tensor, v: Tensor, gate: Tensor, appended: Tensor, *, gate_keys: bool,
+                  gate_values: bool, gate_appends: bool):
+    """What each overflow token adds to its row: gated k/v if merged (and if appended with
+    ``gate_appends``), raw k_bar / v otherwise. Returns ``(dk [...,D], dv [...,Dv], radius [...])``
+    where ``radius = |dv|`` is the radius a newly created row gets."""
+    gated = torch.ones_like(appended) if gate_appends else ~appended
+    g = gate.to(kbar.dtype)
+    one = torch.ones_like(g)
+    dk = kbar * torch.where(gated, g, one).unsqueeze(-1) if gate_keys else kbar
+    dv = v * torch.where(gated, g, one).unsqueeze(-1) if gate_values else v
+    return dk, dv, dv.norm(dim=-1)

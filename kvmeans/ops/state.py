@@ -1,0 +1,189 @@
+"""KVMState: everything a KVM layer carries from one call to the next.
+
+The state is a cache: ``kvm_attention(..., initial_state=s)`` advances ``s`` and returns it.
+Call :meth:`KVMState.clone` first if you need the old one.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .schedule import bswa_begin
+
+__all__ = ["KVMState"]
+
+
+@dataclass
+class KVMState:
+    """Carried state of one KVM attention layer for a batch of sequences of equal length.
+
+    Buffers are preallocated with spare capacity so decoding does not reallocate per token;
+    only the leading ``num_rows`` rows / ``window_len`` tokens are meaningful.
+
+    Attributes:
+        keys: ``[B, Hkv, capacity, D]`` raw key sums of the state rows (LN_s is applied at readout).
+        values: ``[B, Hkv, capacity, Dv]`` raw value sums.
+        radii: ``[B, Hkv, capacity]`` readout radius of each row, fixed when the row is created
+            (with ``value_radius=False``: the number of tokens summed into the row).
+        window_keys: ``[B, Hkv, window_capacity, D]`` uncompressed keys of tokens
+            ``[window_start, seen_tokens)`` (post RoPE, as the window attends to them).
+        window_values: ``[B, Hkv, window_capacity, Dv]``.
+        window_gates: ``[B, Hkv, window_capacity]`` merge gates of the window tokens.
+        num_rows: state rows in use (``m``).
+        seen_tokens: tokens of the sequence processed so far.
+        coverage: tokens summarised by the state rows (tokens ``[0, coverage)``).
+        chunk_len, n_bswa_chunks, sink_len, rope_dim, value_radius: the configuration the state was
+            built with; continuing with another configuration is an error.
+        extras: free slot for layers (token-shift predecessors and the like).
+    """
+
+    keys: Tensor
+    values: Tensor
+    radii: Tensor
+    window_keys: Tensor
+    window_values: Tensor
+    window_gates: Tensor
+    num_rows: int = 0
+    seen_tokens: int = 0
+    coverage: int = 0
+    chunk_len: int = 256
+    n_bswa_chunks: int = 2
+    sink_len: int = 1
+    rope_dim: int = 0
+    value_radius: bool = True
+    extras: dict = field(default_factory=dict)
+    # recurrent path: readout cache (LN_s keys, radius-scaled values) and whether the buffers are
+    # its own preallocated ones (safe to write in place); neither is saved
+    _readout: Optional[tuple] = field(default=None, repr=False, compare=False)
+    _owned: bool = field(default=False, repr=False, compare=False)
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, head_dim: int, value_dim: int, *, dtype: torch.dtype,
+              device, chunk_len: int, n_bswa_chunks: int, sink_len: int, rope_dim: int,
+              value_radius: bool, row_capacity: int = 0, window_capacity: int = 0) -> "KVMState":
+        def buf(n, d=None):
+            shape = (batch, kv_heads, n) if d is None else (batch, kv_heads, n, d)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(buf(row_capacity, head_dim), buf(row_capacity, value_dim), buf(row_capacity),
+                   buf(window_capacity, head_dim), buf(window_capacity, value_dim), buf(window_capacity),
+                   chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim,
+                   value_radius=value_radius)
+
+    # ---- geometry ----------------------------------------------------------------------------
+    @property
+    def window_start(self) -> int:
+        return bswa_begin(self.seen_tokens, self.chunk_len, self.n_bswa_chunks)
+
+    @property
+    def window_len(self) -> int:
+        return self.seen_tokens - self.window_start
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def row_capacity(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def window_capacity(self) -> int:
+        return self.window_keys.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    def rows(self):
+        """``(keys [B,Hkv,m,D], values [B,Hkv,m,Dv], radii [B,Hkv,m])`` of the ``m`` rows in use."""
+        m = self.num_rows
+        return self.keys[:, :, :m], self.values[:, :, :m], self.radii[:, :, :m]
+
+    def window(self):
+        """``(keys [B,Hkv,w,D], values [B,Hkv,w,Dv], gates [B,Hkv,w])`` of the uncompressed window."""
+        w = self.window_len
+        return self.window_keys[:, :, :w], self.window_values[:, :, :w], self.window_gates[:, :, :w]
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _tensors(self):
+        return [self.keys, self.values, self.radii, self.window_keys, self.window_values, self.window_gates]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by the state and window buffers (capacity included, readout cache excluded)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def nbytes_used(self) -> int:
+        """Bytes of the rows and window tokens in use."""
+        return sum(t.numel() * t.element_size() for t in (*self.rows(), *self.window()))
+
+    # ---- functional copies --------------------------------------------------------------------
+    def _replace(self, fn) -> "KVMState":
+        out = copy.copy(self)
+        for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
+            setattr(out, name, fn(getattr(self, name)))
+        out.extras = {k: fn(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in self.extras.items()}
+        out._readout, out._owned = None, False
+        return out
+
+    def clone(self) -> "KVMState":
+        return self._replace(lambda t: t.clone())
+
+    def detach(self) -> "KVMState":
+        """A copy cut from the autograd graph (truncated backpropagation through time)."""
+        return self._replace(lambda t: t.detach())
+
+    def to(self, *args, **kwargs) -> "KVMState":
+        """Like ``Tensor.to``: move or cast every buffer (``state.to('cuda')``, ``state.to(torch.float64)``)."""
+        return self._replace(lambda t: t.to(*args, **kwargs))
+
+    def index_select(self, batch_index: Tensor) -> "KVMState":
+        """Select / reorder sequences of the batch (beam search): ``batch_index`` is ``[B']`` long."""
+        batch_index = torch.as_tensor(batch_index, device=self.device, dtype=torch.long)
+        return self._replace(lambda t: t.index_select(0, batch_index.to(t.device)) if t.dim() > 0 else t)
+
+    def reorder_(self, batch_index: Tensor) -> "KVMState":
+        """In-place version of :meth:`index_select` (the object is kept, buffers are replaced)."""
+        new = self.index_select(batch_index)
+        for f in fields(self):
+            setattr(self, f.name, getattr(new, f.name))
+        return self
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_readout"], d["_owned"] = None, False
+        return d
+
+    def check_compatible(self, *, batch: int, kv_heads: int, head_dim: int, value_dim: int, chunk_len: int,
+                         n_bswa_chunks: int, sink_len: int, rope_dim: int, value_radius: bool,
+                         device: torch.device) -> None:
+        """Raise a ValueError naming ``initial_state`` if this state cannot continue the given call."""
+        expected = dict(chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim,
+                        value_radius=value_radius)
+        for name, want in expected.items():
+            have = getattr(self, name)
+            if have != want:
+                raise ValueError(
+                    f"initial_state was built with {name}={have!r} but this call uses {name}={want!r}; "
+                    f"continue a sequence with the configuration that started it")
+        got = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+        if got != (batch, kv_heads, head_dim, value_dim):
+            raise ValueError(
+                f"initial_state holds [batch, kv_heads, head_dim, value_dim] = {list(got)} but q/k/v give "
+                f"{[batch, kv_heads, head_dim, value_dim]}; pass the state returned for these sequences")
+        if self.device != device:
+            raise ValueError(f"initial_state is on {self.device} but q is on {device}; move it with state.to(device)")
+
+
+torch.serialization.add_safe_globals([KVMState])
