@@ -110,34 +110,36 @@ def _attend_group(ca, cb, q, kk, vv, base_k, base_v, base_r, dk, dv, dr, dest, a
                   ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps):
     """Outputs ``[B, H, (cb-ca)*C, Dv]`` of query chunks ``[ca, cb)``; tokens ``dk/dv/dr`` arrive inside the group."""
     B, H, _, D = q.shape
-    Hkv, Dv, G = kk.shape[1], vv.shape[-1], cb - ca
-    rep = H // Hkv
-    heads = lambda x: x.repeat_interleave(rep, dim=1) if rep > 1 else x
-    qs = _time_slice(q, ca * C - t0, cb * C - t0).unflatten(2, (G, C))              # [B,H,G,C,D]
-    kw = _time_slice(kk, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, n * C, C).transpose(-1, -2)  # [B,Hkv,G,nC,D]
-    vw = _time_slice(vv, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, n * C, C).transpose(-1, -2)
-    keys = heads(kw) * bswa_temp.view(1, H, 1, 1, 1)
-    values = heads(vw)
-
-    q_pos = (torch.arange(ca * C, cb * C, device=q.device)).view(G, C, 1)
-    k_pos = ((torch.arange(ca, cb, device=q.device) + 1 - n) * C).view(G, 1, 1) + torch.arange(n * C, device=q.device)
-    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))                                  # [G, C, nC]
-    M = rows_at[cb - 1]
+    Hkv, Dv, G, W = kk.shape[1], vv.shape[-1], cb - ca, n * C
+    rep, M = H // Hkv, rows_at[cb - 1]
+    # SDPA operands laid out [B, G, Hkv, rep, keys, D] and written once (no cat / transpose copies)
+    keys = q.new_empty(B, G, Hkv, rep, M + W, D)
+    values = q.new_empty(B, G, Hkv, rep, M + W, Dv)
+    by_head = lambda t: t.view(1, 1, Hkv, rep, 1, 1)
+    window = lambda x: _time_slice(x, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, W, C).permute(0, 2, 1, 4, 3)
+    keys[..., M:, :] = window(kk).unsqueeze(3) * by_head(bswa_temp)                  # window(c): [B,G,Hkv,1,W,D]
+    values[..., M:, :] = window(vv).unsqueeze(3)
+    q_pos = torch.arange(ca * C, cb * C, device=q.device).view(G, C, 1)
+    k_pos = ((torch.arange(ca, cb, device=q.device) + 1 - n) * C).view(G, 1, 1) + torch.arange(W, device=q.device)
+    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))                                   # [G, C, W] causal window
     if M:
         snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
+        heads = torch.arange(Hkv, device=q.device).view(Hkv, 1)
+        slot = torch.where(dest >= 0, ((arrival - ca) * Hkv + heads) * M + dest, -1).flatten(1, 2).unsqueeze(1)
         for b, s in zip((base_k, base_v, base_r), (dk, dv, dr)):
-            inc = b.new_zeros(*b.shape[:2], G * M, *b.shape[3:])
-            inc = _scatter_tokens(inc, torch.where(dest >= 0, (arrival - ca) * M + dest, -1), s)
-            snap.append(inc.unflatten(2, (G, M)).cumsum(2) + b[:, :, :M].unsqueeze(2))
-        k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)               # [B,Hkv,G,M,D]
-        keys = torch.cat([heads(k_hat) * state_temp.view(1, H, 1, 1, 1), keys], 3)
-        values = torch.cat([heads(v_hat), values], 3)
+            inc = b.new_zeros(B, 1, G * Hkv * M, *b.shape[3:])                          # [B, 1, G*Hkv*M, ...]
+            inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
+            snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
+        k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)                # [B,G,Hkv,M,D]
+        keys[..., :M, :] = k_hat.unsqueeze(3) * by_head(state_temp)
+        values[..., :M, :] = v_hat.unsqueeze(3)
         visible = torch.arange(M, device=q.device) < torch.tensor(rows_at[ca:cb], device=q.device).view(G, 1, 1)
         mask = torch.cat([visible.expand(G, C, M), mask], 2)
-    flat = lambda x: x.transpose(1, 2).flatten(0, 1)                                  # [B,H,G,...] -> [B*G,H,...]
-    y = F.scaled_dot_product_attention(flat(qs), flat(keys), flat(values),
+    qs = _time_slice(q, ca * C - t0, cb * C - t0).unflatten(2, (G, C)).transpose(1, 2)   # [B,G,H,C,D]
+    y = F.scaled_dot_product_attention(qs.flatten(0, 1), keys.flatten(2, 3).flatten(0, 1),
+                                       values.flatten(2, 3).flatten(0, 1),
                                        attn_mask=mask.unsqueeze(1).repeat(B, 1, 1, 1), scale=scale)
-    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)                         # [B,H,G*C,Dv]
 
 
 def _groups(c_first, c_last, window, rows_at, per_row, group_bytes):

@@ -139,11 +139,11 @@ def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp,
         q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(rep).view(rep * t, 1)
         k_pos = torch.arange(state.window_start, state.seen_tokens, device=q.device)
         scores = scores.masked_fill(k_pos > q_pos, -math.inf)
-    values = wv
-    if state.window_start > 0:                                          # the state is active
-        k_hat, v_hat = _readout_cached(state, ln)
-        s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
-        scores = torch.cat([s_scores, scores], -1)
-        values = torch.cat([v_hat, wv], 2)
-    y = torch.softmax(scores, -1) @ values                              # [B, Hkv, rep*t, Dv]
+    if state.window_start == 0:                                         # the state is not active yet
+        return (torch.softmax(scores, -1) @ wv).view(B, H, t, -1)
+    k_hat, v_hat = _readout_cached(state, ln)
+    s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
+    p = torch.softmax(torch.cat([s_scores, scores], -1), -1)        # one softmax over [state ; window]
+    m = k_hat.shape[2]
+    y = p[..., :m] @ v_hat + p[..., m:] @ wv                           # [B, Hkv, rep*t, Dv]; no copy of the state
     return y.view(B, H, t, -1)

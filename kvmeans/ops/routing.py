@@ -66,29 +66,31 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
         ``m, m+1, ...`` in token order), and ``appended [B, Hkv, C]`` bool.
     """
     m, n_tok = rows_hat.shape[-2], sel.shape[-2]
+    s = min(sink_len, m)
+    logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [B, Hkv, C, m]
+    best, target = logits[..., s:].max(-1)                      # merge candidates: non-sink rows (first max wins)
+    target = target + s
     if n_append >= n_tok:
         appended = torch.ones(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     elif n_append <= 0:
         appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     else:
-        # s_j = max_i k_bar_j . LN_s(s_i): the least redundant tokens (smallest s_j) are appended
-        novelty = (sel @ rows_hat.transpose(-1, -2)).amax(-1)
+        # s_j = max_i k_bar_j . LN_s(s_i) over all rows, sinks included: the least redundant tokens are appended
+        novelty = torch.maximum(best, logits[..., :s].amax(-1)) if s else best
         order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
-        appended = torch.zeros_like(novelty, dtype=torch.bool).scatter_(-1, order, True)
+        appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device).scatter_(-1, order, True)
     new_rows = m + appended.cumsum(-1) - 1
     if bool(appended.all()):
         return new_rows, appended
     n_new = min(max(n_append, 0), n_tok)
     if n_new:
-        # merge targets include the rows appended in this same step, in token order
+        # merge targets include the rows appended in this same step (rows m, m+1, ... in token order);
+        # on equal scores the lower row index wins, as torch.max does within each part
         token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
         added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
-        rows_hat = torch.cat([rows_hat, added], dim=-2)
-    logits = sel @ rows_hat.transpose(-1, -2)
-    s = min(sink_len, m)
-    if s:
-        logits[..., :s] = float("-inf")
-    target = logits.argmax(-1)
+        best_new, idx_new = (sel @ added.transpose(-1, -2)).max(-1)
+        take_new = best_new > best if m > s else torch.ones_like(appended)
+        target = torch.where(take_new, idx_new + m, target)
     return torch.where(appended, new_rows, target), appended
 
 

@@ -159,6 +159,14 @@ class KVMState:
             setattr(self, f.name, getattr(new, f.name))
         return self
 
+    def __repr__(self) -> str:
+        B, Hkv, _, D = self.keys.shape
+        return (f"KVMState(batch={B}, kv_heads={Hkv}, head_dim={D}, value_dim={self.values.shape[-1]}, "
+                f"rows={self.num_rows}/{self.row_capacity}, window={self.window_len}/{self.window_capacity}, "
+                f"seen_tokens={self.seen_tokens}, coverage={self.coverage}, chunk_len={self.chunk_len}, "
+                f"n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, rope_dim={self.rope_dim}, "
+                f"value_radius={self.value_radius}, dtype={self.dtype}, device={self.device})")
+
     # ---- serialisation -------------------------------------------------------------------------
     def __getstate__(self):
         d = dict(self.__dict__)

@@ -1,0 +1,111 @@
+"""chunked (and its checkpointed / many-group variants) == naive: outputs, final state, every gradient."""
+import pytest
+import torch
+
+import kvmeans.ops.chunk as chunk_mod
+from kvmeans import StateBudget, kvm_attention
+from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs
+
+NAMES = ["q", "k", "v", "gate", "state_norm_weight", "state_norm_bias", "state_temp", "bswa_temp"]
+SQRT = StateBudget.power_law(2, 0.5, min_len=4)
+SAT = StateBudget.saturating(10)
+CALLABLE = lambda t: 4 + t // 5
+
+# (T, C, n, sink, budget, H, Hkv, rope_dim): T < C, T == L, T == L + 1, T not a multiple of C,
+# long enough for a fixed budget to fill and the growing ones to grow
+CASES = [
+    (3, 4, 2, 1, StateBudget.fixed(4), 4, 2, 2),
+    (8, 4, 2, 1, StateBudget.fixed(4), 4, 2, 2),
+    (9, 4, 2, 1, SQRT, 4, 2, 2),
+    (37, 4, 2, 1, StateBudget.fixed(4), 4, 2, 2),
+    (37, 4, 2, 0, SQRT, 4, 4, 0),
+    (37, 4, 2, 2, SAT, 4, 1, 4),
+    (41, 4, 1, 1, CALLABLE, 2, 2, 2),
+    (50, 5, 3, 1, StateBudget.fixed(12), 4, 2, 2),
+    (64, 4, 2, 1, StateBudget.fixed(8), 6, 3, 8),
+    (70, 8, 2, 3, StateBudget.power_law(3, 0.5, min_len=8), 4, 2, 2),
+]
+
+
+def case_id(c):
+    T, C, n, S, b, H, Hkv, r = c
+    return f"T{T}-C{C}-n{n}-S{S}-{b!r}-H{H}-Hkv{Hkv}-r{r}"[:60]
+
+
+def run(backend, inputs, T, C, n, S, budget, r, **extra):
+    y, state = kvm_attention(
+        inputs["q"], inputs["k"], inputs["v"], inputs["gate"], chunk_len=C, n_bswa_chunks=n, sink_len=S,
+        rope_dim=r, budget=budget, state_norm_weight=inputs["state_norm_weight"],
+        state_norm_bias=inputs["state_norm_bias"], state_temp=inputs["state_temp"],
+        bswa_temp=inputs["bswa_temp"], return_state=True, backend=backend, **extra)
+    return y, state
+
+
+def outputs_and_grads(backend, case, dtype=torch.float64, seed=0, **extra):
+    T, C, n, S, budget, H, Hkv, r = case
+    inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, Dv=6, dtype=dtype, seed=seed, requires_grad=True)
+    y, state = run(backend, inputs, T, C, n, S, budget, r, **extra)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y.dtype)
+    rows = state.rows()
+    loss = (y * dy).sum() + 0.3 * rows[0].sum() + 0.1 * rows[1].pow(2).sum() + 0.2 * rows[2].sum()
+    grads = torch.autograd.grad(loss, [inputs[k] for k in NAMES], allow_unused=True, materialize_grads=True)
+    return y, state, dict(zip(NAMES, grads))
+
+
+def compare(ref, out, tol):
+    (y0, s0, g0), (y1, s1, g1) = ref, out
+    assert (s0.num_rows, s0.coverage, s0.seen_tokens) == (s1.num_rows, s1.coverage, s1.seen_tokens)
+    assert_close("y", y0, y1, tol)
+    for name, a, b in zip(("state keys", "state values", "radii"), s0.rows(), s1.rows()):
+        assert_close(name, a, b, tol)
+    for name, a, b in zip(("window keys", "window values", "window gates"), s0.window(), s1.window()):
+        assert_close(name, a, b, tol)
+    for name in NAMES:
+        assert_close("d" + name, g0[name], g1[name], tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_chunked_matches_naive_float64(case):
+    compare(outputs_and_grads("naive", case), outputs_and_grads("chunked", case), TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("case", CASES[3:7], ids=case_id)
+@pytest.mark.parametrize("value_radius,gate_appends", [(False, False), (True, True)])
+def test_ablations_match_naive(case, value_radius, gate_appends):
+    kw = dict(value_radius=value_radius, gate_appends=gate_appends)
+    compare(outputs_and_grads("naive", case, **kw), outputs_and_grads("chunked", case, **kw), 1e-10)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[9]], ids=case_id)
+def test_checkpointed_and_many_groups_match_naive(case, monkeypatch):
+    ref = outputs_and_grads("naive", case)
+    monkeypatch.setattr(chunk_mod, "CHECKPOINT_BYTES", 0)           # checkpoint every group
+    monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)                # one chunk per group
+    compare(ref, outputs_and_grads("chunked", case), 1e-10)
+
+
+@pytest.mark.parametrize("case", [CASES[3], CASES[9]], ids=case_id)
+def test_float32_is_tight(case):
+    compare(outputs_and_grads("naive", case, torch.float32), outputs_and_grads("chunked", case, torch.float32),
+            TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_against_float32_spec(dtype):
+    """Half inputs are accumulated in float32: compare with the float32 spec on the same rounded inputs."""
+    case = CASES[3]
+    y, state, grads = outputs_and_grads("chunked", case, dtype)
+    assert y.dtype == dtype and state.dtype == torch.float32
+    T, C, n, S, budget, H, Hkv, r = case
+    inputs = {k: v.to(torch.float32) for k, v in make_inputs(H=H, Hkv=Hkv, T=T, D=8, Dv=6, dtype=dtype).items()}
+    y_ref, _ = run("naive", inputs, T, C, n, S, budget, r)
+    assert_close("y", y_ref, y.float(), TOLERANCES[dtype])
+
+
+def test_final_state_counts_follow_the_schedule():
+    from kvmeans.ops.schedule import coverage_after, rows_after
+    for T in (3, 8, 9, 30, 64, 65):
+        _, state, _ = outputs_and_grads("chunked", (T, 4, 2, 1, SQRT, 4, 2, 2))
+        assert state.num_rows == rows_after(SQRT, T, 4, 2)
+        assert state.coverage == coverage_after(T, 4, 2)
+        assert state.window_len == T - max(0, -(-T // 4) * 4 - 8)
