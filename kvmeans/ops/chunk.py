@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
-from .schedule import bswa_begin, plan_updates
+from .schedule import bswa_begin, coverage_after, plan_updates
 from .state import KVMState
 
 GROUP_BYTES = 256 << 20        # working set of one group's attention call
@@ -35,7 +35,7 @@ CHECKPOINT_BYTES = 1 << 30     # checkpoint groups when activations saved for ba
 
 @dataclass
 class _Routes:
-    dest: Tensor            # [B, Hkv, N] row each local token joins, -1 if it does not enter the state here
+    dest: Tensor            # [B, Hkv, N] row each entering token joins
     created: Tensor         # [B, Hkv, N] token creates a row (initial fill or append)
     ungated: Tensor         # [B, Hkv, N] token enters with its ungated key/value
     rows_at: List[int]      # rows visible to query chunk c (0 while the state is inactive)
@@ -58,13 +58,18 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     t0, T = state.seen_tokens, q.shape[2]
     t1, w0 = t0 + T, state.window_start
     wk, wv, wg = state.window()
-    kk, vv, gg = torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)  # tokens [w0, t1)
-    kbar = memory_keys(kk, state.rope_dim, *ln)
-
-    routes = _route(state, kbar.detach(), vv.detach(), gg.detach(), budget, ln, t1, gate_keys, gate_values,
-                    gate_appends)
-    dk, dv, rad = token_streams(kbar, vv, gg, routes.ungated, gate_keys=gate_keys, gate_values=gate_values,
-                                gate_appends=False)
+    if state.window_len:
+        kk, vv, gg = torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)  # tokens [w0, t1)
+    else:
+        kk, vv, gg = k, v, gate
+    # tokens entering the state in this call: [cov0, cov1), a contiguous range
+    cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
+    enter = slice(cov0 - w0, cov1 - w0)
+    kbar = memory_keys(kk[:, :, enter], state.rope_dim, *ln)
+    routes = _route(state, kbar.detach(), vv[:, :, enter].detach(), gg[:, :, enter].detach(), budget, ln, t1,
+                    gate_keys, gate_values, gate_appends)
+    dk, dv, rad = token_streams(kbar, vv[:, :, enter], gg[:, :, enter], routes.ungated, gate_keys=gate_keys,
+                                gate_values=gate_values, gate_appends=False)
     dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
     m_final = routes.keys.shape[2]
     base = [_pad_rows(t, m_final) for t in state.rows()]       # sums of tokens arrived before the group
@@ -75,22 +80,32 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
     groups = _groups(c_first, c_last, n * C, routes.rows_at, per_row, group_bytes)
     if checkpoint_groups == "auto":
-        saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * per_row * 4
+        # kept for backward per chunk: SDPA's keys/values over [state ; window] plus the snapshot sums (~2x)
+        saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * \
+            q.shape[0] * q.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size() * 2
         checkpoint_groups = needs_grad and saved > CHECKPOINT_BYTES
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
                ln_eps=state_norm_eps)
-    arrival = torch.arange(w0, t1, device=q.device) // C + n      # first query chunk that sees each token
-    outs, done = [], 0
-    for ca, cb in groups:
-        upto = int((arrival < ca).sum())
-        if upto > done:
-            base = [_scatter_tokens(b, routes.dest[..., done:upto], s[:, :, done:upto]) for b, s in zip(base, streams)]
-            done = upto
-        hi = int((arrival < cb).sum())
-        args = (q, kk, vv, *base, *(s[:, :, done:hi] for s in streams), routes.dest[..., done:hi], arrival[done:hi],
+    # Split every operand once into per-group pieces (split's backward is a cat; slicing the full
+    # tensors per group would allocate a zero gradient of full size per group)
+    sizes = [cb - ca for ca, cb in groups]
+    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
+    win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
+    kw_parts, vw_parts = win(kk), win(vv)
+    arrival = torch.arange(cov0, cov1, device=q.device) // C + n    # first query chunk that sees each entering token
+    bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
+    cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
+    pieces = [x.split(cuts, 2) for x in (*streams, routes.dest, arrival.expand(1, 1, -1))]
+    base = [_scatter_tokens(b, pieces[3][0], s[0]) if cuts[0] else b for b, s in zip(base, pieces[:3])]
+    outs = []
+    for i, (ca, cb) in enumerate(groups):
+        part = [x[i + 1] for x in pieces]
+        args = (q_parts[i], kw_parts[i], vw_parts[i], *base, *part[:3], part[3], part[4][0, 0],
                 state_temp, bswa_temp, state_norm_weight, state_norm_bias)
         fn = lambda *a, ca=ca, cb=cb: _attend_group(ca, cb, *a, **geo)
         outs.append(checkpoint(fn, *args, use_reentrant=False) if checkpoint_groups else fn(*args))
+        if i + 1 < len(groups) and cuts[i + 1]:
+            base = [_scatter_tokens(b, part[3], s) for b, s in zip(base, part[:3])]
     y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
 
     if needs_grad:      # differentiable final state (backpropagation through a carried state)
@@ -100,32 +115,35 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
         keys, values, radii = routes.keys, routes.values, routes.radii
     ws = bswa_begin(t1, C, n) - w0
     out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=m_final,
-                         seen_tokens=t1, coverage=routes.coverage, chunk_len=C, n_bswa_chunks=n,
+                         seen_tokens=t1, coverage=cov1, chunk_len=C, n_bswa_chunks=n,
                          sink_len=state.sink_len, rope_dim=state.rope_dim, value_radius=state.value_radius,
                          extras=state.extras)
     return y, out_state
 
 
-def _attend_group(ca, cb, q, kk, vv, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
+def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
                   ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps):
-    """Outputs ``[B, H, (cb-ca)*C, Dv]`` of query chunks ``[ca, cb)``; tokens ``dk/dv/dr`` arrive inside the group."""
+    """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca).
+
+    ``q [B, H, G*C, D]`` their queries; ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (W = n*C);
+    ``base_*`` the state sums before the group; ``dk, dv, dr`` the tokens arriving inside it.
+    """
     B, H, _, D = q.shape
-    Hkv, Dv, G, W = kk.shape[1], vv.shape[-1], cb - ca, n * C
+    Hkv, Dv, G, W = kw.shape[1], vw.shape[3], cb - ca, n * C
     rep, M = H // Hkv, rows_at[cb - 1]
     # SDPA operands laid out [B, G, Hkv, rep, keys, D] and written once (no cat / transpose copies)
     keys = q.new_empty(B, G, Hkv, rep, M + W, D)
     values = q.new_empty(B, G, Hkv, rep, M + W, Dv)
     by_head = lambda t: t.view(1, 1, Hkv, rep, 1, 1)
-    window = lambda x: _time_slice(x, (ca + 1 - n) * C - w0, cb * C - w0).unfold(2, W, C).permute(0, 2, 1, 4, 3)
-    keys[..., M:, :] = window(kk).unsqueeze(3) * by_head(bswa_temp)                  # window(c): [B,G,Hkv,1,W,D]
-    values[..., M:, :] = window(vv).unsqueeze(3)
+    keys[..., M:, :] = kw.permute(0, 2, 1, 4, 3).unsqueeze(3) * by_head(bswa_temp)
+    values[..., M:, :] = vw.permute(0, 2, 1, 4, 3).unsqueeze(3)
     q_pos = torch.arange(ca * C, cb * C, device=q.device).view(G, C, 1)
     k_pos = ((torch.arange(ca, cb, device=q.device) + 1 - n) * C).view(G, 1, 1) + torch.arange(W, device=q.device)
     mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))                                   # [G, C, W] causal window
     if M:
         snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
         heads = torch.arange(Hkv, device=q.device).view(Hkv, 1)
-        slot = torch.where(dest >= 0, ((arrival - ca) * Hkv + heads) * M + dest, -1).flatten(1, 2).unsqueeze(1)
+        slot = (((arrival - ca) * Hkv + heads) * M + dest).flatten(1, 2).unsqueeze(1)
         for b, s in zip((base_k, base_v, base_r), (dk, dv, dr)):
             inc = b.new_zeros(B, 1, G * Hkv * M, *b.shape[3:])                          # [B, 1, G*Hkv*M, ...]
             inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
@@ -135,7 +153,7 @@ def _attend_group(ca, cb, q, kk, vv, base_k, base_v, base_r, dk, dv, dr, dest, a
         values[..., :M, :] = v_hat.unsqueeze(3)
         visible = torch.arange(M, device=q.device) < torch.tensor(rows_at[ca:cb], device=q.device).view(G, 1, 1)
         mask = torch.cat([visible.expand(G, C, M), mask], 2)
-    qs = _time_slice(q, ca * C - t0, cb * C - t0).unflatten(2, (G, C)).transpose(1, 2)   # [B,G,H,C,D]
+    qs = q.unflatten(2, (G, C)).transpose(1, 2)                                          # [B,G,H,C,D]
     y = F.scaled_dot_product_attention(qs.flatten(0, 1), keys.flatten(2, 3).flatten(0, 1),
                                        values.flatten(2, 3).flatten(0, 1),
                                        attn_mask=mask.unsqueeze(1).repeat(B, 1, 1, 1), scale=scale)
@@ -168,18 +186,17 @@ def _pad_rows(t: Tensor, m: int) -> Tensor:
 
 
 def _scatter_tokens(base: Tensor, dest: Tensor, contrib: Tensor) -> Tensor:
-    """``base[b, h, dest[b, h, j]] += contrib[b, h, j]`` for tokens with ``dest >= 0`` (out of place)."""
-    keep = dest >= 0
-    idx = dest.clamp_min(0)
-    if contrib.dim() == 4:
-        keep, idx = keep.unsqueeze(-1), idx.unsqueeze(-1).expand_as(contrib)
-    return base.scatter_add(2, idx, torch.where(keep, contrib, 0))
+    """``base[b, h, dest[b, h, j]] += contrib[b, h, j]`` (out of place). ``dest [B, Hkv, N]`` long."""
+    idx = dest.unsqueeze(-1).expand_as(contrib) if contrib.dim() == 4 else dest
+    return base.scatter_add(2, idx, contrib)
 
 
 @torch.no_grad()
 def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends) -> _Routes:
-    """Run the state recurrence once without gradients; record where each token went."""
-    C, n, w0 = state.chunk_len, state.n_bswa_chunks, state.window_start
+    """Run the state recurrence once without gradients; record where each token went.
+
+    ``kbar, vv, gg`` hold the tokens entering the state, ``[state.coverage, coverage_after(t1))``."""
+    C, n, w0 = state.chunk_len, state.n_bswa_chunks, state.coverage       # w0: position of local token 0
     B, Hkv, N, _ = kbar.shape
     m, cov = state.num_rows, state.coverage
     fill = max(0, min(t1, C) - cov)

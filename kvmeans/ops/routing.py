@@ -68,8 +68,8 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
     m, n_tok = rows_hat.shape[-2], sel.shape[-2]
     s = min(sink_len, m)
     logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [B, Hkv, C, m]
-    best, target = logits[..., s:].max(-1)                      # merge candidates: non-sink rows (first max wins)
-    target = target + s
+    cand = logits[..., s:]                                      # merge candidates: non-sink rows
+    best, target = cand.amax(-1), cand.argmax(-1) + s           # (amax + argmax beat max() on CPU; first max wins)
     if n_append >= n_tok:
         appended = torch.ones(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     elif n_append <= 0:
@@ -88,7 +88,8 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
         # on equal scores the lower row index wins, as torch.max does within each part
         token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
         added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
-        best_new, idx_new = (sel @ added.transpose(-1, -2)).max(-1)
+        new_logits = sel @ added.transpose(-1, -2)
+        best_new, idx_new = new_logits.amax(-1), new_logits.argmax(-1)
         take_new = best_new > best if m > s else torch.ones_like(appended)
         target = torch.where(take_new, idx_new + m, target)
     return torch.where(appended, new_rows, target), appended
