@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, coverage_after, plan_updates
+from .recurrent import _readout_cached, absorb, own_buffers
 from .state import KVMState
 
 GROUP_BYTES = 256 << 20        # working set of one group's attention call
@@ -62,6 +63,11 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
         kk, vv, gg = torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)  # tokens [w0, t1)
     else:
         kk, vv, gg = k, v, gate
+    ln_params = [t for t in (state_norm_weight, state_norm_bias, state_temp, bswa_temp) if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))):
+        return _prefill_no_grad(q, kk, vv, gg, state, budget=budget, ln=ln, state_temp=state_temp,
+                                bswa_temp=bswa_temp, scale=scale, group_bytes=group_bytes,
+                                gates=(gate_keys, gate_values, gate_appends))
     # tokens entering the state in this call: [cov0, cov1), a contiguous range
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
@@ -121,25 +127,59 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     return y, out_state
 
 
+@torch.no_grad()
+def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, bswa_temp, scale, group_bytes, gates):
+    """Inference prefill: advance ``state`` in place chunk by chunk (the recurrent path's buffers and
+    cached readout, one LN_s per state version shared by routing and attention) while attending all
+    chunks of a group in one SDPA call. ``kk, vv, gg`` hold tokens ``[window_start, t1)``."""
+    C, n = state.chunk_len, state.n_bswa_chunks
+    B, H, T, _ = q.shape
+    Hkv, t0, w0 = kk.shape[1], state.seen_tokens, state.window_start
+    t1 = t0 + T
+    rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
+    own_buffers(state, rows=max(rows_at + [state.num_rows]))
+    c_first, c_last = t0 // C, (t1 - 1) // C
+    per_row = B * H * (C + q.shape[3] + vv.shape[3]) * q.element_size()
+    groups = _groups(c_first, c_last, n * C, rows_at, per_row, group_bytes)
+    sizes = [cb - ca for ca, cb in groups]
+    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
+    win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
+    temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
+    outs = []
+    for (ca, cb), qg, kw, vw in zip(groups, q_parts, win(kk), win(vv)):
+        M = rows_at[cb - 1]
+        keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
+        for g, c in enumerate(range(ca, cb) if M else ()):
+            m = 0
+            if c >= n:      # bring the state to what chunk c sees, then read it out once
+                absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates)
+                k_hat, v_hat = _readout_cached(state, ln)
+                m = state.num_rows
+                keys[:, g, :, :, :m] = k_hat.unsqueeze(2) * temp
+                values[:, g, :, :, :m] = v_hat.unsqueeze(2)
+            keys[:, g, :, :, m:M] = 0                   # hidden by the mask, but must be finite
+            values[:, g, :, :, m:M] = 0
+        outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
+    y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
+    absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates)          # the lazy final coverage
+    ws, wl = bswa_begin(t1, C, n) - w0, t1 - bswa_begin(t1, C, n)
+    state.window_keys[:, :, :wl] = kk[:, :, ws:]
+    state.window_values[:, :, :wl] = vv[:, :, ws:]
+    state.window_gates[:, :, :wl] = gg[:, :, ws:]
+    state.seen_tokens = t1
+    return y, state
+
+
 def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
                   ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps):
-    """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca).
+    """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
 
     ``q [B, H, G*C, D]`` their queries; ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (W = n*C);
     ``base_*`` the state sums before the group; ``dk, dv, dr`` the tokens arriving inside it.
     """
-    B, H, _, D = q.shape
-    Hkv, Dv, G, W = kw.shape[1], vw.shape[3], cb - ca, n * C
-    rep, M = H // Hkv, rows_at[cb - 1]
-    # SDPA operands laid out [B, G, Hkv, rep, keys, D] and written once (no cat / transpose copies)
-    keys = q.new_empty(B, G, Hkv, rep, M + W, D)
-    values = q.new_empty(B, G, Hkv, rep, M + W, Dv)
-    by_head = lambda t: t.view(1, 1, Hkv, rep, 1, 1)
-    keys[..., M:, :] = kw.permute(0, 2, 1, 4, 3).unsqueeze(3) * by_head(bswa_temp)
-    values[..., M:, :] = vw.permute(0, 2, 1, 4, 3).unsqueeze(3)
-    q_pos = torch.arange(ca * C, cb * C, device=q.device).view(G, C, 1)
-    k_pos = ((torch.arange(ca, cb, device=q.device) + 1 - n) * C).view(G, 1, 1) + torch.arange(W, device=q.device)
-    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))                                   # [G, C, W] causal window
+    B, Hkv, G = q.shape[0], kw.shape[1], cb - ca
+    M = rows_at[cb - 1]
+    keys, values = _group_operands(q, kw, vw, bswa_temp, M)
     if M:
         snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
         heads = torch.arange(Hkv, device=q.device).view(Hkv, 1)
@@ -149,15 +189,67 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
             snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
         k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)                # [B,G,Hkv,M,D]
-        keys[..., :M, :] = k_hat.unsqueeze(3) * by_head(state_temp)
+        keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
-        visible = torch.arange(M, device=q.device) < torch.tensor(rows_at[ca:cb], device=q.device).view(G, 1, 1)
-        mask = torch.cat([visible.expand(G, C, M), mask], 2)
-    qs = q.unflatten(2, (G, C)).transpose(1, 2)                                          # [B,G,H,C,D]
+    return _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)
+
+
+def _group_operands(q, kw, vw, bswa_temp, M):
+    """SDPA key/value buffers ``[B, G, Hkv, rep, M + W, D|Dv]`` with the window part written (state rows
+    ``[:M]`` are left for the caller): written once, no cat / transpose copies."""
+    B, H = q.shape[:2]
+    Hkv, G, D, W = kw.shape[1], kw.shape[2], kw.shape[3], kw.shape[4]
+    keys = q.new_empty(B, G, Hkv, H // Hkv, M + W, D)
+    values = q.new_empty(B, G, Hkv, H // Hkv, M + W, vw.shape[3])
+    keys[..., M:, :] = kw.permute(0, 2, 1, 4, 3).unsqueeze(3) * _by_head(bswa_temp, Hkv)
+    values[..., M:, :] = vw.permute(0, 2, 1, 4, 3).unsqueeze(3)
+    return keys, values
+
+
+def _by_head(t: Tensor, Hkv: int) -> Tensor:
+    return t.view(1, 1, Hkv, -1, 1, 1)            # per query head, grouped under its kv head
+
+
+def _group_mask(ca, cb, C, n, w0, rows_at, M, device) -> Tensor:
+    """``[G, C, M + W]`` bool: state rows that exist for each chunk, then the causal window."""
+    G, W = cb - ca, n * C
+    q_pos = torch.arange(ca * C, cb * C, device=device).view(G, C, 1)
+    k_pos = ((torch.arange(ca, cb, device=device) + 1 - n) * C).view(G, 1, 1) + torch.arange(W, device=device)
+    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))
+    if not M:
+        return mask
+    visible = torch.arange(M, device=device) < torch.tensor(rows_at[ca:cb], device=device).view(G, 1, 1)
+    return torch.cat([visible.expand(G, C, M), mask], 2)
+
+
+def _group_sdpa(q, keys, values, mask, scale) -> Tensor:
+    """One SDPA call for all chunks of a group; ``q [B, H, G*C, D]`` -> ``[B, H, G*C, Dv]``."""
+    B, G, C = q.shape[0], keys.shape[1], mask.shape[1]
+    qs = q.unflatten(2, (G, C)).transpose(1, 2)                                        # [B,G,H,C,D]
     y = F.scaled_dot_product_attention(qs.flatten(0, 1), keys.flatten(2, 3).flatten(0, 1),
                                        values.flatten(2, 3).flatten(0, 1),
                                        attn_mask=mask.unsqueeze(1).repeat(B, 1, 1, 1), scale=scale)
-    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)                         # [B,H,G*C,Dv]
+    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+
+
+def _rows_visible(state: KVMState, block_rows: dict, t1: int) -> List[int]:
+    """Rows visible to each query chunk ``c < ceil(t1 / C)``: block b is in the state from chunk b + n on
+    (0 while the state is inactive). ``block_rows``: block index -> rows once it entered."""
+    rows_at, rows, n = [], state.num_rows, state.n_bswa_chunks
+    for c in range((t1 - 1) // state.chunk_len + 1):
+        rows = block_rows.get(c - n, rows)
+        rows_at.append(rows if c >= n else 0)
+    return rows_at
+
+
+def _planned_rows(state: KVMState, budget, t1: int) -> dict:
+    """``block index -> rows once it entered`` for the blocks entering in a call ending at ``t1`` (positions only)."""
+    C, m, cov = state.chunk_len, state.num_rows, state.coverage
+    fill = max(0, min(t1, C) - cov)
+    rows = {0: m + fill} if fill else {}
+    for step in plan_updates(budget, cov + fill, m + fill, t1, C, state.n_bswa_chunks):
+        rows[step.start // C] = step.rows_after
+    return rows
 
 
 def _groups(c_first, c_last, window, rows_at, per_row, group_bytes):
@@ -205,7 +297,6 @@ def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_app
     dest = torch.full((B, Hkv, N), -1, dtype=torch.long, device=kbar.device)
     created = torch.zeros(B, Hkv, N, dtype=torch.bool, device=kbar.device)
     ungated = created.clone()
-    block_rows = {}                                   # block index -> rows once it is in the state
     if fill:                                          # the first chunk is copied into the state
         loc = slice(cov - w0, cov + fill - w0)
         K[:, :, m:m + fill] = kbar[:, :, loc]
@@ -214,7 +305,6 @@ def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_app
         dest[:, :, loc] = torch.arange(m, m + fill, device=kbar.device)
         created[:, :, loc] = ungated[:, :, loc] = True
         m, cov = m + fill, cov + fill
-        block_rows[0] = m
     everyone = torch.ones(B, Hkv, C, dtype=torch.bool, device=kbar.device)
     for step in steps:
         loc = slice(step.start - w0, step.start + C - w0)
@@ -230,9 +320,5 @@ def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_app
         R.scatter_add_(2, d, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
         dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
         m, cov = step.rows_after, step.start + C
-        block_rows[step.start // C] = m
-    rows_at, rows = [], state.num_rows
-    for c in range((t1 - 1) // C + 1):              # block b is visible from query chunk b + n on
-        rows = block_rows.get(c - n, rows)
-        rows_at.append(rows if c >= n else 0)
+    rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
     return _Routes(dest, created, ungated, rows_at, K, V, R, cov)

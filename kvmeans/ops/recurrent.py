@@ -26,7 +26,7 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
     and returns ``(y, state)``."""
     C, n = state.chunk_len, state.n_bswa_chunks
     ln = (state_norm_weight, state_norm_bias, state_norm_eps)
-    _own_buffers(state)
+    own_buffers(state)
     t0, T = state.seen_tokens, q.shape[2]
     outs, pos = [], t0
     while pos < t0 + T:
@@ -37,9 +37,8 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
         state.window_keys[:, :, at] = k[:, :, new]
         state.window_values[:, :, at] = v[:, :, new]
         state.window_gates[:, :, at] = gate[:, :, new]
-        _fill_initial(state, e, w_start, ln)
-        for step in plan_updates(budget, state.coverage, state.num_rows, e, C, n):
-            _update(state, step, w_start, ln, gate_keys, gate_values, gate_appends)
+        absorb(state, state.window_keys, state.window_values, state.window_gates, w_start, e, budget, ln,
+               gate_keys, gate_values, gate_appends)
         drop = bswa_begin(e, C, n) - w_start
         if drop:                                          # slide the window by the block(s) that left it
             keep = e - w_start - drop
@@ -51,16 +50,15 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
 
-def _own_buffers(state: KVMState) -> None:
-    """Make the state's buffers detached, contiguous, and large enough for in-place writes."""
+def own_buffers(state: KVMState, rows: int = 0) -> None:
+    """Make the state's buffers its own (detached, preallocated) so they can be written in place,
+    with room for at least ``rows`` rows."""
     L, C = state.n_bswa_chunks * state.chunk_len, state.chunk_len
     if state._owned and state.window_capacity >= L + C:
+        _reserve_rows(state, rows)
         return
-    keys, values, radii = state.rows()
-    wk, wv, wg = state.window()
-    B, Hkv, _, D = keys.shape
-    cap = max(2 * C, state.num_rows + C)
-    _alloc(state, cap, L + C, keys, values, radii, wk, wv, wg)
+    cap = max(2 * C, state.num_rows + C, rows)
+    _alloc(state, cap, L + C, *state.rows(), *state.window())
 
 
 def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
@@ -82,33 +80,35 @@ def _reserve_rows(state: KVMState, rows: int) -> None:
                state.window_keys, state.window_values, state.window_gates)
 
 
-def _fill_initial(state: KVMState, e: int, w_start: int, ln) -> None:
-    """While the first chunk is incomplete its tokens are copied into the state as rows."""
-    cov, C = state.coverage, state.chunk_len
-    fill = min(e, C) - cov
-    if fill <= 0:
-        return
-    _reserve_rows(state, state.num_rows + fill)
-    m, loc = state.num_rows, slice(cov - w_start, cov + fill - w_start)
-    vals = state.window_values[:, :, loc]
-    state.keys[:, :, m:m + fill] = memory_keys(state.window_keys[:, :, loc], state.rope_dim, *ln)
-    state.values[:, :, m:m + fill] = vals
-    state.radii[:, :, m:m + fill] = vals.norm(dim=-1) if state.value_radius else 1
-    state.num_rows, state.coverage, state._readout = m + fill, cov + fill, None
+def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin: int, total: int, budget, ln,
+           gate_keys=True, gate_values=True, gate_appends=False) -> None:
+    """Bring the state rows up to date for a sequence of ``total`` tokens, in place: copy the first
+    chunk, then absorb every block that has left the window. Token ``p`` is read from
+    ``keys/values/gates[:, :, p - origin]`` (``[B, Hkv, N, D]``, ``[B, Hkv, N, Dv]``, ``[B, Hkv, N]``)."""
+    C, cov = state.chunk_len, state.coverage
+    fill = min(total, C) - cov
+    if fill > 0:                                     # the first chunk is copied: rows k_bar, v, |v|
+        _reserve_rows(state, state.num_rows + fill)
+        m, loc = state.num_rows, slice(cov - origin, cov + fill - origin)
+        vals = values[:, :, loc]
+        state.keys[:, :, m:m + fill] = memory_keys(keys[:, :, loc], state.rope_dim, *ln)
+        state.values[:, :, m:m + fill] = vals
+        state.radii[:, :, m:m + fill] = vals.norm(dim=-1) if state.value_radius else 1
+        state.num_rows, state.coverage, state._readout = m + fill, cov + fill, None
+    for step in plan_updates(budget, state.coverage, state.num_rows, total, C, state.n_bswa_chunks):
+        loc = slice(step.start - origin, step.start + C - origin)
+        _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys, gate_values,
+                gate_appends)
 
 
-def _update(state: KVMState, step, w_start: int, ln, gate_keys, gate_values, gate_appends) -> None:
-    """The overflow block ``[step.start, step.start + C)`` enters the state (append + merge, in place)."""
-    C = state.chunk_len
-    loc = slice(step.start - w_start, step.start + C - w_start)
-    kbar = memory_keys(state.window_keys[:, :, loc], state.rope_dim, *ln)
-    vb, gb = state.window_values[:, :, loc], state.window_gates[:, :, loc]
+def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends) -> None:
+    """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state."""
+    kbar = memory_keys(kb, state.rope_dim, *ln)
     everyone = torch.ones_like(gb, dtype=torch.bool)
     ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
                              gate_appends=gate_appends)
-    K, _, _ = state.rows()
-    dest, app = route_overflow(state_layer_norm(K, *ln), kbar, state_layer_norm(ak, *ln), step.n_append,
-                               state.sink_len)
+    rows_hat, _ = _readout_cached(state, ln)         # LN_s of the state: shared with the attention readout
+    dest, app = route_overflow(rows_hat, kbar, state_layer_norm(ak, *ln), step.n_append, state.sink_len)
     dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
                                 gate_appends=gate_appends)
     _reserve_rows(state, step.rows_after)
@@ -116,7 +116,7 @@ def _update(state: KVMState, step, w_start: int, ln, gate_keys, gate_values, gat
     state.keys[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dk), dk)
     state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
     state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
-    state.num_rows, state.coverage, state._readout = m1, step.start + C, None
+    state.num_rows, state.coverage, state._readout = m1, step.start + state.chunk_len, None
 
 
 def _readout_cached(state: KVMState, ln):
