@@ -57,7 +57,7 @@ def own_buffers(state: KVMState, rows: int = 0) -> None:
     if state._owned and state.window_capacity >= L + C:
         _reserve_rows(state, rows)
         return
-    cap = max(2 * C, state.num_rows + C, rows)
+    cap = max(state.num_rows, rows, 1)           # rows grow geometrically on demand (_reserve_rows)
     _alloc(state, cap, L + C, *state.rows(), *state.window())
 
 

@@ -1,0 +1,244 @@
+"""Operator benchmark: KVM (fixed-256 and 16*sqrt(N) budgets) against full causal SDPA.
+
+``python -m kvmeans.bench.ops [--quick] [--device cuda] ...`` (see ``--help``).
+Shapes: ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``gate [B, Hkv, T]`` (``1 + elu(randn)``),
+``dy [B, H, T, D]``; the three arms see the same tensors in the same run.
+
+Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed256, kvm-sqrt16 in turn):
+  prefill:  forward of T tokens under ``torch.no_grad()`` (KVM with ``return_state=False``).
+  backward: ``(y * dy).sum().backward()`` only; q, k, v (and gate for KVM) require grad. The forward
+            with grad is timed separately (CSV ``fwd_grad_ms``).
+  decode:   mean per-token time of ``--decode-steps`` consecutive one-token steps after T tokens:
+            KVM continues a prefilled state (``initial_state``, recurrent path; the first step adopts the
+            prefill buffers and, for T a multiple of chunk_len, runs a chunk-boundary update); SDPA writes
+            the new k/v into a preallocated cache and attends one query over ``cache[:T+i+1]``.
+            CSV ``step_median_ms`` / ``step_max_ms`` give the steady-state and the worst step.
+Memory: KVM state rows and ``state.nbytes`` right after prefilling T tokens (``state_bytes``; the
+decode buffers with spare capacity are ``state_bytes_decode``) vs the KV cache ``2*B*Hkv*T*D*elem``.
+Warm-up: on CPU once per (arm, mode) at the first length; on CUDA once per (arm, mode, T), with
+``torch.cuda.synchronize`` around every timed region.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from kvmeans.ops.schedule import rows_after
+
+from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode
+from .report import env_info, format_env, human_bytes, plot_panels, print_table, write_csv, write_json
+CPU_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+CUDA_LENGTHS = CPU_LENGTHS + [65536]
+COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
+           "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
+           "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
+           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps"]
+
+
+@dataclass
+class OpsResult:
+    """What :func:`run` produced: the output folder, file paths (png None without matplotlib), CSV rows."""
+    out_dir: Path
+    csv: Path
+    png: Optional[Path]
+    env_json: Path
+    rows: List[Dict[str, object]] = field(default_factory=list)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvmeans.bench.ops", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), help="default float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--batch", type=int, help="B (default 1; 8 with --paper-shape)")
+    p.add_argument("--heads", type=int, help="H (default 8; 32 with --paper-shape)")
+    p.add_argument("--kv-heads", type=int, help="Hkv (default H)")
+    p.add_argument("--head-dim", type=int, help="D (default 64; 128 with --paper-shape)")
+    p.add_argument("--chunk-len", type=int, default=256, help="C (<= 256: the fixed arm holds 256 rows)")
+    p.add_argument("--n-bswa-chunks", type=int, default=2)
+    p.add_argument("--rope-dim", type=int, help="default head_dim // 2")
+    p.add_argument("--sink-len", type=int, default=1)
+    p.add_argument("--lengths", type=int, nargs="+", help=f"T values (default cpu {CPU_LENGTHS}, cuda adds 65536)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--repeats", type=int, help="timed repeats per (T, mode, arm), median reported (default 3)")
+    p.add_argument("--decode-steps", type=int, help="decode tokens timed per repeat (default 64)")
+    p.add_argument("--paper-shape", action="store_true", help="B=8, H=32, D=128, bfloat16 (meant for GPU)")
+    p.add_argument("--max-sdpa-len", type=int, help="skip the SDPA arm for T above this")
+    p.add_argument("--out", help="output folder (default bench-results/ops-<timestamp>)")
+    p.add_argument("--quick", action="store_true", help="T = 512 1024 2048, 1 repeat, 16 decode steps")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    paper, quick = a.paper_shape, a.quick
+    a.batch = a.batch or (8 if paper else 1)
+    a.heads = a.heads or (32 if paper else 8)
+    a.kv_heads = a.kv_heads or a.heads
+    a.head_dim = a.head_dim or (128 if paper else 64)
+    a.rope_dim = a.head_dim // 2 if a.rope_dim is None else a.rope_dim
+    a.dtype = a.dtype or ("bfloat16" if paper or a.device == "cuda" else "float32")
+    a.lengths = a.lengths or ([512, 1024, 2048] if quick else CPU_LENGTHS if a.device == "cpu" else CUDA_LENGTHS)
+    a.repeats = a.repeats or (1 if quick else 3)
+    a.decode_steps = a.decode_steps or (16 if quick else 64)
+    a.modes = [m for m in MODES if m in a.modes]
+    if min(a.batch, a.heads, a.kv_heads, a.head_dim, a.repeats, a.decode_steps, *a.lengths) < 1:
+        p.error("sizes, lengths, --repeats and --decode-steps must be >= 1")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    if a.device == "cpu" and a.dtype != "float32":
+        print(f"warning: {a.dtype} matmul has no fast path on many CPUs (can be ~100x slower than float32)",
+              file=sys.stderr)
+    a.out = Path(a.out or f"bench-results/ops-{time.strftime('%Y%m%d-%H%M%S')}")
+    return a
+
+
+def _state_memory(a, arm, T, state) -> Dict[str, int]:
+    expect = rows_after(BUDGETS[arm], T, a.chunk_len, a.n_bswa_chunks)
+    if state.num_rows != expect:
+        print(f"warning: {arm} T={T}: state has {state.num_rows} rows, rows_after() says {expect}", file=sys.stderr)
+    return {"rows": state.num_rows, "state_bytes": state.nbytes, "state_bytes_used": state.nbytes_used}
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def run(argv=None) -> OpsResult:
+    """Parse ``argv``, measure, print the table, write ``ops.csv``, ``ops.png`` and ``env.json`` to ``--out``."""
+    a = parse_args(argv)
+    a.dev = torch.device(a.device)
+    info = env_info(a.device)
+    print(format_env(info))
+    print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
+          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim}; repeats={a.repeats} (median), "
+          f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
+    res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
+    mem: Dict[tuple, Dict[str, int]] = {}        # (T, arm) -> rows / bytes
+    warmed, start = set(), time.perf_counter()
+    for T in a.lengths:
+        arms = [arm for arm in ARMS if arm != "sdpa" or a.max_sdpa_len is None or T <= a.max_sdpa_len]
+        x = make_inputs(a, T)
+        for mode in a.modes:
+            ctx, live = {}, []
+            for arm in arms:
+                res[T, mode, arm] = {}
+                try:
+                    if mode == "decode":
+                        ctx[arm] = prepare_decode(a, arm, x)
+                        if arm != "sdpa":
+                            mem[T, arm] = _state_memory(a, arm, T, ctx[arm])
+                    key = (arm, mode) if a.dev.type == "cpu" else (arm, mode, T)
+                    if key not in warmed:
+                        MEASURE[mode](a, arm, x, ctx.get(arm))
+                        warmed.add(key)
+                    live.append(arm)
+                except (RuntimeError, MemoryError) as e:
+                    if not is_oom(e):
+                        raise
+                    res[T, mode, arm]["status"] = "oom"
+                    print(f"[ops] T={T} {mode} {arm}: out of memory, skipped", file=sys.stderr)
+            for r in range(a.repeats):
+                for arm in list(live):
+                    try:
+                        m = MEASURE[mode](a, arm, x, ctx.get(arm))
+                    except (RuntimeError, MemoryError) as e:
+                        if not is_oom(e):
+                            raise
+                        live.remove(arm)
+                        res[T, mode, arm]["status"] = "oom"
+                        continue
+                    for name, val in m.items():
+                        res[T, mode, arm].setdefault(name, []).append(val)
+                    print(f"[ops] T={T} {mode} {arm} rep {r + 1}/{a.repeats}: {m['time'] * 1e3:.3f} ms "
+                          f"({time.perf_counter() - start:.0f} s elapsed)", file=sys.stderr, flush=True)
+            del ctx
+            if a.dev.type == "cuda":
+                torch.cuda.empty_cache()
+        for arm in BUDGETS:
+            if (T, arm) not in mem:             # no decode run: one untimed prefill for the state size
+                try:
+                    mem[T, arm] = _state_memory(a, arm, T, prepare_decode(a, arm, x))
+                except (RuntimeError, MemoryError) as e:
+                    if not is_oom(e):
+                        raise
+        del x
+    info["loadavg_end"] = env_info(a.device)["loadavg"]
+    print(f"# /proc/loadavg at end: {info['loadavg_end']}  ({time.perf_counter() - start:.0f} s)")
+    return _report(a, info, res, mem)
+
+
+def _ms(vals, pick=statistics.median):
+    """Seconds -> ms of ``pick(vals)``; None for no values."""
+    return pick(vals) * 1e3 if vals else None
+
+
+def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
+    cfg = dict(device=a.device, dtype=a.dtype, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+               head_dim=a.head_dim, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
+               rope_dim=a.rope_dim, decode_steps=a.decode_steps)
+    rows = []
+    for (T, mode, arm), r in res.items():
+        t = _ms(r.get("time"))
+        sd = _ms(res.get((T, mode, "sdpa"), {}).get("time"))
+        # the "state" of full attention is its KV cache
+        m = {"rows": T, "state_bytes": kv(T), "state_bytes_used": kv(T)} if arm == "sdpa" else mem.get((T, arm), {})
+        rows.append({"T": T, "mode": mode, "arm": arm, "time_ms": t, "time_min_ms": _ms(r.get("time"), min),
+                     "time_max_ms": _ms(r.get("time"), max), "repeats": len(r.get("time", [])),
+                     "fwd_grad_ms": _ms(r.get("fwd_grad")), "step_median_ms": _ms(r.get("step_median")),
+                     "step_max_ms": _ms(r.get("step_max")), "speedup_vs_sdpa": sd / t if t and sd else None,
+                     **m, "state_bytes_decode": max(r["state_bytes_decode"]) if r.get("state_bytes_decode") else None,
+                     "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"), **cfg})
+    return rows
+
+
+def _report(a, info, res, mem) -> OpsResult:
+    elem = torch.empty(0, dtype=DTYPES[a.dtype]).element_size()
+    kv = lambda T: 2 * a.batch * a.kv_heads * T * a.head_dim * elem
+    rows, table = _csv_rows(a, res, mem, kv), []
+    fmt = lambda ms: "-" if ms is None else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+    by = {(row["T"], row["mode"], row["arm"]): row for row in rows}
+    for T in a.lengths:
+        for mode in a.modes:
+            g = lambda arm, k: by.get((T, mode, arm), {}).get(k)
+            cell = lambda arm: "oom" if g(arm, "status") == "oom" else fmt(g(arm, "time_ms"))
+            sp = lambda arm: "" if g(arm, "speedup_vs_sdpa") is None else f"{g(arm, 'speedup_vs_sdpa'):.2f}x"
+            mf, ms = mem.get((T, "kvm-fixed256"), {}), mem.get((T, "kvm-sqrt16"), {})
+            table.append([T, mode, cell("sdpa"), cell("kvm-fixed256"), cell("kvm-sqrt16"), sp("kvm-fixed256"),
+                          sp("kvm-sqrt16"), mf.get("rows", ""), ms.get("rows", ""),
+                          f"{human_bytes(mf.get('state_bytes'))}/{human_bytes(ms.get('state_bytes'))}",
+                          human_bytes(kv(T))])
+    print(f"\n# times in ms (median of {a.repeats}); decode = mean per token over {a.decode_steps} steps; "
+          f"speedup = sdpa / kvm; bytes per layer")
+    print_table(["T", "mode", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt", "rows fixed",
+                 "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes"], table)
+    out = Path(a.out)
+    csv_path = write_csv(out / "ops.csv", COLUMNS, rows)
+    config = {k: v for k, v in vars(a).items() if k not in ("dev", "out")}
+    env_path = write_json(out / "env.json", {"env": info, "config": config, "argv": a.argv})
+    Ts = a.lengths
+    series = lambda mode: {arm: (Ts, [by.get((T, mode, arm), {}).get("time_ms") for T in Ts]) for arm in ARMS}
+    panels = [{"title": f"{mode}" + (" (per token)" if mode == "decode" else ""), "ylabel": "time (ms)",
+               "series": series(mode)} for mode in a.modes]
+    panels.append({"title": "memory per layer", "ylabel": "bytes", "series": {
+        "kvm-fixed256 state": (Ts, [mem.get((T, "kvm-fixed256"), {}).get("state_bytes") for T in Ts]),
+        "kvm-sqrt16 state": (Ts, [mem.get((T, "kvm-sqrt16"), {}).get("state_bytes") for T in Ts]),
+        "full KV cache": (Ts, [kv(T) for T in Ts])}})
+    title = (f"KVM vs SDPA, {info['device_name']}, B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} "
+             f"{a.dtype}, git {info['git_commit']}")
+    png = plot_panels(out / "ops.png", panels, title=title)
+    print(f"wrote {csv_path}" + (f", {png}" if png else "") + f", {env_path}")
+    return OpsResult(out, csv_path, png, env_path, rows)
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The operator benchmark runs end to end and writes what it says."""
+import csv
+import importlib.util
+
+from kvmeans.bench.ops import main
+from kvmeans.cli import main as cli
+
+SMALL = ["--lengths", "256", "512", "--heads", "2", "--head-dim", "16", "--chunk-len", "64", "--repeats", "1",
+         "--decode-steps", "4"]
+
+
+def test_bench_ops_writes_csv_and_png(tmp_path, capsys):
+    assert main(SMALL + ["--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "ops.csv")))
+    assert {(r["T"], r["mode"], r["arm"]) for r in rows} == {
+        (t, m, a) for t in ("256", "512") for m in ("prefill", "backward", "decode")
+        for a in ("sdpa", "kvm-fixed256", "kvm-sqrt16")}
+    assert all(float(r["time_ms"]) > 0 for r in rows)
+    kvm = [r for r in rows if r["arm"] != "sdpa"]
+    assert all(float(r["speedup_vs_sdpa"]) > 0 and int(r["rows"]) > 0 for r in kvm)
+    assert (tmp_path / "env.json").exists()
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "ops.png").stat().st_size > 0
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_cli_routes_to_bench(tmp_path):
+    assert cli(["bench", "ops"] + SMALL[:2] + ["--modes", "prefill"] + SMALL[3:] + ["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "ops.csv").exists()
+    assert cli(["nope"]) == 2
