@@ -155,7 +155,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates)
                 k_hat, v_hat = _readout_cached(state, ln)
                 m = state.num_rows
-                keys[:, g, :, :, :m] = k_hat.unsqueeze(2) * temp
+                torch.mul(k_hat.unsqueeze(2), temp, out=keys[:, g, :, :, :m])   # written once, no temporary
                 values[:, g, :, :, :m] = v_hat.unsqueeze(2)
             keys[:, g, :, :, m:M] = 0                   # hidden by the mask, but must be finite
             values[:, g, :, :, m:M] = 0
