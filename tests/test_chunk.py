@@ -109,3 +109,15 @@ def test_final_state_counts_follow_the_schedule():
         assert state.num_rows == rows_after(SQRT, T, 4, 2)
         assert state.coverage == coverage_after(T, 4, 2)
         assert state.window_len == T - max(0, -(-T // 4) * 4 - 8)
+
+
+def test_no_uninitialised_memory_is_read(monkeypatch):
+    """Buffers from new_empty are poisoned with NaN: every element the op reads must have been written."""
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: new_empty(self, *a, **k).fill_(float("nan")))
+    case = CASES[9]
+    ref = outputs_and_grads("naive", case)
+    compare(ref, outputs_and_grads("chunked", case), 1e-10)
+    with torch.no_grad():
+        y, _ = run("chunked", make_inputs(H=4, Hkv=2, T=70, D=8, Dv=6), 70, 8, 2, 3, case[4], 2)
+    assert_close("no-grad y", ref[0], y, 1e-10)
