@@ -1,6 +1,11 @@
-"""nn.Module layers built on ``kvmeans.ops``."""
-from .attention import KVMAttention, KVMAttentionConfig
+"""nn.Module layers built on ``kvmeans.ops``: KVM attention and the baseline mixers."""
+from .attention import AttentionConfig, GPTAlphaAttention, KVMAttention, KVMAttentionConfig
+from .baselines import BlockSlidingWindowAttention, BSWAConfig, FullAttention, SlidingWindowAttention, SWAConfig
+from .ovq import OVQAttention, OVQConfig, OVQState
 from .rope import RotaryEmbedding
+from .states import KVCacheState
 from .token_shift import TokenShift, token_shift
 
-__all__ = ["KVMAttention", "KVMAttentionConfig", "RotaryEmbedding", "TokenShift", "token_shift"]
+__all__ = ["AttentionConfig", "GPTAlphaAttention", "KVMAttention", "KVMAttentionConfig", "FullAttention",
+           "SlidingWindowAttention", "BlockSlidingWindowAttention", "SWAConfig", "BSWAConfig", "OVQAttention",
+           "OVQConfig", "OVQState", "KVCacheState", "RotaryEmbedding", "TokenShift", "token_shift"]

@@ -1,15 +1,16 @@
-"""KVMAttention: the nn.Module shell around ``kvm_attention`` (GPTAlpha-2 preparation, ref 4.4).
+"""GPTAlpha-2 attention preparation (reference 4.4) and the KVMAttention layer built on it.
 
 Per call: ``q, k, v = x Wq, x Wk, x Wv`` -> value residual on v -> token shift on q, k, v ->
-heads -> ``ln_q`` / ``ln_k`` over D -> RoPE on the first ``rope_dim`` channels -> the op ->
-``c_proj``. Parameter names follow the authors' checkpoints (reference-semantics 5.3).
+heads -> ``ln_q`` / ``ln_k`` over D -> RoPE on the first ``rope_dim`` channels -> a mixing core
+(KVM here; full / sliding-window / OVQ in ``baselines.py`` / ``ovq.py``) -> ``c_proj``.
+Parameter names follow the authors' checkpoints (reference-semantics 5.3).
 No attention maths lives here.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +21,16 @@ from ..ops.kvm import kvm_attention
 from .rope import RotaryEmbedding
 from .token_shift import attention_shift_alphas, token_shift
 
-__all__ = ["KVMAttentionConfig", "KVMAttention"]
+__all__ = ["AttentionConfig", "GPTAlphaAttention", "Prepared", "KVMAttentionConfig", "KVMAttention"]
+
+
+def _bad(cfg, name, problem, fix):
+    raise ValueError(f"{type(cfg).__name__}.{name}: {problem}; {fix}")
 
 
 @dataclass
-class KVMAttentionConfig:
-    """Configuration of one KVM attention layer; ``None`` sizes are derived in ``__post_init__``.
+class AttentionConfig:
+    """The GPTAlpha-2 preparation shared by every mixer; ``None`` sizes are derived in ``__post_init__``.
 
     The flags are the paper's ablation switches: each one off removes its parameters.
     """
@@ -35,70 +40,80 @@ class KVMAttentionConfig:
     num_kv_heads: Optional[int] = None      # -> num_heads (GQA when smaller)
     head_dim: Optional[int] = None          # -> hidden_size // num_heads
     value_head_dim: Optional[int] = None    # -> head_dim
-    chunk_len: int = 256
-    n_bswa_chunks: int = 2
-    sink_len: int = 1
     rope_dim: Optional[int] = None          # -> head_dim // 2 rounded down to even; 0 = NoPE
     rope_theta: float = 10000.0
     rope_reference_bf16: bool = False       # round cos/sin to bf16 like the authors (checkpoint parity)
-    budget: BudgetLike = field(default_factory=lambda: StateBudget.fixed(256))
     token_shift: bool = True
     qk_norm: bool = True
     value_residual: bool = False
-    merge_gate: bool = True
-    head_temps: bool = True
-    value_radius: bool = True
-    sinks: bool = True                      # False -> no sink rows (sink_len treated as 0)
     layer_idx: int = 0
     num_layers: int = 1
-    state_norm_eps: float = 1e-5
     init_output_zero: bool = True           # reference inits c_proj to zeros; tests need False
-    backend: str = "auto"
 
     def __post_init__(self):
-        def bad(name, problem, fix):
-            raise ValueError(f"KVMAttentionConfig.{name}: {problem}; {fix}")
-
-        for name in ("hidden_size", "num_heads", "chunk_len", "num_layers"):
+        for name in ("hidden_size", "num_heads", "num_layers"):
             if getattr(self, name) < 1:
-                bad(name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
+                _bad(self, name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.num_kv_heads < 1:
-            bad("num_kv_heads", f"must be >= 1, got {self.num_kv_heads}", "pass a positive count or None")
+            _bad(self, "num_kv_heads", f"must be >= 1, got {self.num_kv_heads}", "pass a positive count or None")
         if self.num_heads % self.num_kv_heads:
-            bad("num_kv_heads", f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
-                "choose num_kv_heads dividing num_heads")
+            _bad(self, "num_kv_heads", f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                 f"{self.num_kv_heads}", "choose num_kv_heads dividing num_heads")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                bad("head_dim", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}",
-                    "pass head_dim explicitly or change num_heads")
+                _bad(self, "head_dim", f"hidden_size={self.hidden_size} is not divisible by num_heads="
+                     f"{self.num_heads}", "pass head_dim explicitly or change num_heads")
             self.head_dim = self.hidden_size // self.num_heads
         if self.head_dim < 1:
-            bad("head_dim", f"must be >= 1, got {self.head_dim}", "pass a positive head_dim")
+            _bad(self, "head_dim", f"must be >= 1, got {self.head_dim}", "pass a positive head_dim")
         if self.value_head_dim is None:
             self.value_head_dim = self.head_dim
         if self.value_head_dim < 1:
-            bad("value_head_dim", f"must be >= 1, got {self.value_head_dim}", "pass a positive value_head_dim")
+            _bad(self, "value_head_dim", f"must be >= 1, got {self.value_head_dim}", "pass a positive value_head_dim")
         if self.rope_dim is None:
             self.rope_dim = self.head_dim // 4 * 2
         if self.rope_dim < 0 or self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            bad("rope_dim", f"must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}",
-                "use an even rope_dim <= head_dim (0 disables RoPE)")
+            _bad(self, "rope_dim", f"must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}",
+                 "use an even rope_dim <= head_dim (0 disables RoPE)")
         if not self.rope_theta > 0:
-            bad("rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
-        if self.n_bswa_chunks < 1:
-            bad("n_bswa_chunks", f"must be >= 1, got {self.n_bswa_chunks}", "the window needs at least the current chunk")
-        if self.sink_len < 0:
-            bad("sink_len", f"must be >= 0, got {self.sink_len}", "use 0 for no sinks")
-        if self.sinks and self.sink_len >= self.chunk_len:
-            bad("sink_len", f"sink_len={self.sink_len} must be < chunk_len={self.chunk_len}",
-                "lower sink_len so the first chunk leaves mergeable rows")
+            _bad(self, "rope_theta", f"must be > 0, got {self.rope_theta}", "use e.g. 10000.0")
         if not 0 <= self.layer_idx < self.num_layers:
-            bad("layer_idx", f"must be in [0, num_layers={self.num_layers}), got {self.layer_idx}",
-                "pass the layer's index and the model depth")
+            _bad(self, "layer_idx", f"must be in [0, num_layers={self.num_layers}), got {self.layer_idx}",
+                 "pass the layer's index and the model depth")
+
+
+@dataclass
+class KVMAttentionConfig(AttentionConfig):
+    """Configuration of one KVM attention layer: the shared preparation plus the KVM op's settings."""
+
+    chunk_len: int = 256
+    n_bswa_chunks: int = 2
+    sink_len: int = 1
+    budget: BudgetLike = field(default_factory=lambda: StateBudget.fixed(256))
+    merge_gate: bool = True
+    gate_appends: bool = False              # the authors' kvm_apply_merge_gate_to_appends (read it from config.json)
+    head_temps: bool = True
+    value_radius: bool = True
+    sinks: bool = True                      # False -> no sink rows (sink_len treated as 0)
+    state_norm_eps: float = 1e-5
+    backend: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.chunk_len < 1:
+            _bad(self, "chunk_len", f"must be >= 1, got {self.chunk_len}", "pass a positive chunk_len")
+        if self.n_bswa_chunks < 1:
+            _bad(self, "n_bswa_chunks", f"must be >= 1, got {self.n_bswa_chunks}",
+                 "the window needs at least the current chunk")
+        if self.sink_len < 0:
+            _bad(self, "sink_len", f"must be >= 0, got {self.sink_len}", "use 0 for no sinks")
+        if self.sinks and self.sink_len >= self.chunk_len:
+            _bad(self, "sink_len", f"sink_len={self.sink_len} must be < chunk_len={self.chunk_len}",
+                 "lower sink_len so the first chunk leaves mergeable rows")
         if not self.state_norm_eps > 0:
-            bad("state_norm_eps", f"must be > 0, got {self.state_norm_eps}", "use e.g. 1e-5")
+            _bad(self, "state_norm_eps", f"must be > 0, got {self.state_norm_eps}", "use e.g. 1e-5")
         try:
             self.budget = as_budget(self.budget)
         except TypeError as err:
@@ -109,21 +124,28 @@ class KVMAttentionConfig:
         return self.sink_len if self.sinks else 0
 
 
-class KVMAttention(nn.Module):
-    """Key-Value Means attention layer.
+class Prepared(NamedTuple):
+    """Output of :meth:`GPTAlphaAttention._prepare`."""
 
-    Shapes: x ``[B, T, hidden]``; H = num_heads, Hkv = num_kv_heads, D = head_dim,
-    Dv = value_head_dim.
+    q: Tensor       # [B, H, T, D]   after ln_q and RoPE
+    k: Tensor       # [B, Hkv, T, D] after ln_k and RoPE
+    v: Tensor       # [B, Hkv, T, Dv] after value residual and token shift
+    start: int      # absolute position of x[:, 0]
+    extras: dict    # this call's last pre-shift q, k, v rows ([B, width] each): the next call's predecessors
+
+
+class GPTAlphaAttention(nn.Module):
+    """Parameters and preparation shared by the attention mixers; subclasses add a mixing core.
+
+    Shapes: x ``[B, T, hidden]``; H = num_heads, Hkv = num_kv_heads, D = head_dim, Dv = value_head_dim.
 
     Parameters (present only with their flag): ``c_q [H*D, hidden]``, ``c_k [Hkv*D, hidden]``,
     ``c_v [Hkv*Dv, hidden]``, ``c_proj [hidden, H*Dv]``, ``ln_q``/``ln_k`` (qk_norm; LayerNorm(D)
-    shared by heads), ``ln_s_k`` (LN_s, LayerNorm(D)), ``key_weighting [Hkv, hidden]``
-    (merge_gate), ``state_head_temp``/``front_head_temp [H]`` (head_temps), ``x_q [H*D]``,
-    ``x_k [Hkv*D]``, ``x_v [Hkv*Dv]`` (token_shift alphas), ``v_gate0 [1,1,Hkv*Dv]``,
-    ``v_gate1 [lora, hidden]``, ``v_gate2 [Hkv*Dv, lora]`` (value_residual).
+    shared by heads), ``x_q [H*D]``, ``x_k [Hkv*D]``, ``x_v [Hkv*Dv]`` (token_shift alphas),
+    ``v_gate0 [1,1,Hkv*Dv]``, ``v_gate1 [lora, hidden]``, ``v_gate2 [Hkv*Dv, lora]`` (value_residual).
     """
 
-    def __init__(self, config: KVMAttentionConfig):
+    def __init__(self, config: AttentionConfig):
         super().__init__()
         self.config = c = config
         H, Hkv, D, Dv = c.num_heads, c.num_kv_heads, c.head_dim, c.value_head_dim
@@ -134,11 +156,7 @@ class KVMAttention(nn.Module):
             self.x_q, self.x_k, self.x_v = nn.Parameter(a_q), nn.Parameter(a_k), nn.Parameter(a_v)
         else:
             self.x_q = self.x_k = self.x_v = None
-        if c.head_temps:
-            self.state_head_temp = nn.Parameter(torch.ones(H))
-            self.front_head_temp = nn.Parameter(torch.ones(H))
-        else:
-            self.state_head_temp = self.front_head_temp = None
+        self._init_direct_parameters()
         if c.value_residual:
             # LoRA width as the reference: max(32, round(1.3*sqrt(hidden)/32)*32) (32 up to ~1.4k wide).
             lora = max(32, int(round(1.3 * math.sqrt(c.hidden_size) / 32)) * 32)
@@ -160,25 +178,17 @@ class KVMAttention(nn.Module):
         self.c_proj = nn.Linear(H * Dv, c.hidden_size, bias=False)
         if c.init_output_zero:
             nn.init.zeros_(self.c_proj.weight)  # each block starts as the identity (reference init)
-        self.ln_s_k = nn.LayerNorm(D, eps=c.state_norm_eps)
-        self.key_weighting = nn.Linear(c.hidden_size, Hkv, bias=False) if c.merge_gate else None
         self.rotary = RotaryEmbedding(c.rope_dim, c.rope_theta, c.rope_reference_bf16)
 
-    def forward(self, x: Tensor, state=None, position_offset: Optional[int] = None,
-                v_first: Optional[Tensor] = None):
-        """Attend over ``x [B, T, hidden]``, continuing ``state`` if given.
+    def _init_direct_parameters(self) -> None:
+        """Hook for subclass parameters created before the projections (keeps the RNG order stable)."""
 
-        Args:
-            state: None to start a sequence at position 0, or the state returned by the previous
-                call for these sequences (advanced in place by the op, and returned).
-            position_offset: absolute RoPE position of ``x[:, 0]``; default ``state.seen_tokens``
-                (0 without a state).
-            v_first: ``[B, T, Hkv*Dv]`` value-residual anchor (the first layer's ``c_v(x0)``);
-                ignored unless ``config.value_residual``.
+    def _prepare(self, x: Tensor, state=None, position_offset: Optional[int] = None,
+                 v_first: Optional[Tensor] = None) -> Prepared:
+        """GPTAlpha-2 preparation of ``x [B, T, hidden]`` continuing ``state`` (None at position 0).
 
-        Returns:
-            ``(y [B, T, hidden], state)``. Without ``v_first`` the value-residual mix is a no-op (the
-            layer is its own anchor, as the first layer of a model).
+        ``v_first`` ``[B, T, Hkv*Dv]`` is the value-residual anchor (None: the layer is its own anchor,
+        so the mix is a no-op). RoPE positions start at ``position_offset`` (default ``state.seen_tokens``).
         """
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.hidden_size or x.shape[1] == 0:
@@ -208,20 +218,12 @@ class KVMAttention(nn.Module):
         q = self.rotary(q.transpose(1, 2), start)                       # [B, H, T, D]
         k = self.rotary(k.transpose(1, 2), start)                       # [B, Hkv, T, D]
         v = v.view(B, T, c.num_kv_heads, c.value_head_dim).transpose(1, 2)  # [B, Hkv, T, Dv]
-        gate = None
-        if c.merge_gate:
-            gate = (1.0 + F.elu(self.key_weighting(x))).transpose(1, 2)  # [B, Hkv, T], > 0
+        return Prepared(q, k, v, start, extras)
 
-        y, state = kvm_attention(
-            q, k, v, gate, chunk_len=c.chunk_len, n_bswa_chunks=c.n_bswa_chunks,
-            sink_len=c.effective_sink_len, rope_dim=c.rope_dim, budget=c.budget,
-            state_norm_weight=self.ln_s_k.weight, state_norm_bias=self.ln_s_k.bias,
-            state_norm_eps=c.state_norm_eps, state_temp=self.state_head_temp,
-            bswa_temp=self.front_head_temp, value_radius=c.value_radius, initial_state=state,
-            return_state=True, gate_keys=c.merge_gate, gate_values=c.merge_gate, backend=c.backend)
-        state.extras.update(extras)
-        y = self.c_proj(y.transpose(1, 2).reshape(B, T, c.num_heads * c.value_head_dim))
-        return y, state
+    def _project_out(self, y: Tensor) -> Tensor:
+        """``y [B, H, T, Dv]`` -> ``c_proj`` output ``[B, T, hidden]``."""
+        B, H, T, Dv = y.shape
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, H * Dv))
 
     def _check_v_first(self, v_first: Optional[Tensor], v: Tensor) -> Tensor:
         if v_first is None:
@@ -241,3 +243,58 @@ class KVMAttention(nn.Module):
             raise ValueError(f"state has seen {seen} tokens but carries no token-shift predecessors "
                              f"{missing}; pass the state returned by this layer, not one built elsewhere")
         return {n: extras[n] for n in names}
+
+
+class KVMAttention(GPTAlphaAttention):
+    """Key-Value Means attention layer: the GPTAlpha-2 preparation, then ``kvm_attention``.
+
+    Shapes: x ``[B, T, hidden]``; see :class:`GPTAlphaAttention` for the shared parameters.
+    KVM-only parameters: ``ln_s_k`` (LN_s, LayerNorm(D)), ``key_weighting [Hkv, hidden]``
+    (merge_gate), ``state_head_temp``/``front_head_temp [H]`` (head_temps).
+    """
+
+    def __init__(self, config: KVMAttentionConfig):
+        super().__init__(config)
+        c = config
+        self.ln_s_k = nn.LayerNorm(c.head_dim, eps=c.state_norm_eps)
+        self.key_weighting = nn.Linear(c.hidden_size, c.num_kv_heads, bias=False) if c.merge_gate else None
+
+    def _init_direct_parameters(self) -> None:
+        if self.config.head_temps:
+            self.state_head_temp = nn.Parameter(torch.ones(self.config.num_heads))
+            self.front_head_temp = nn.Parameter(torch.ones(self.config.num_heads))
+        else:
+            self.state_head_temp = self.front_head_temp = None
+
+    def forward(self, x: Tensor, state=None, position_offset: Optional[int] = None,
+                v_first: Optional[Tensor] = None):
+        """Attend over ``x [B, T, hidden]``, continuing ``state`` if given.
+
+        Args:
+            state: None to start a sequence at position 0, or the state returned by the previous
+                call for these sequences (advanced in place by the op, and returned).
+            position_offset: absolute RoPE position of ``x[:, 0]``; default ``state.seen_tokens``
+                (0 without a state).
+            v_first: ``[B, T, Hkv*Dv]`` value-residual anchor (the first layer's ``c_v(x0)``);
+                ignored unless ``config.value_residual``.
+
+        Returns:
+            ``(y [B, T, hidden], state)``. Without ``v_first`` the value-residual mix is a no-op (the
+            layer is its own anchor, as the first layer of a model).
+        """
+        c = self.config
+        q, k, v, _, extras = self._prepare(x, state, position_offset, v_first)
+        gate = None
+        if c.merge_gate:
+            gate = (1.0 + F.elu(self.key_weighting(x))).transpose(1, 2)  # [B, Hkv, T], > 0
+
+        y, state = kvm_attention(
+            q, k, v, gate, chunk_len=c.chunk_len, n_bswa_chunks=c.n_bswa_chunks,
+            sink_len=c.effective_sink_len, rope_dim=c.rope_dim, budget=c.budget,
+            state_norm_weight=self.ln_s_k.weight, state_norm_bias=self.ln_s_k.bias,
+            state_norm_eps=c.state_norm_eps, state_temp=self.state_head_temp,
+            bswa_temp=self.front_head_temp, value_radius=c.value_radius, initial_state=state,
+            return_state=True, gate_keys=c.merge_gate, gate_values=c.merge_gate,
+            gate_appends=c.gate_appends, backend=c.backend)
+        state.extras.update(extras)
+        return self._project_out(y), state

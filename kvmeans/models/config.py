@@ -1,0 +1,178 @@
+"""Model configuration: the GPTAlpha-2 backbone with a sequence mixer per layer, and the paper's presets.
+
+Plain data (JSON-serialisable) so it can live inside a Hugging Face ``config.json``; budgets are
+stored as dicts (``{"kind": "power_law", "factor": 16, ...}``) and turned into :class:`StateBudget`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from ..ops.budget import StateBudget
+
+MIXERS = ("kvm", "full", "swa", "bswa", "ovq")
+
+
+def budget_from_dict(spec: Dict[str, Any]) -> StateBudget:
+    """``{"kind": "fixed", "n": 256}`` -> ``StateBudget.fixed(256)`` (the fields of :class:`StateBudget`)."""
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    if kind not in ("fixed", "power_law", "saturating"):
+        raise ValueError(f"budget kind must be fixed, power_law or saturating, got {kind!r}")
+    known = {f.name for f in dataclasses.fields(StateBudget)} - {"kind"}
+    unknown = set(spec) - known
+    if unknown:
+        raise ValueError(f"budget {kind}: unknown fields {sorted(unknown)}; known: {sorted(known)}")
+    return StateBudget(kind, **spec)
+
+
+def budget_to_dict(budget: StateBudget) -> Dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(budget).items()
+            if k == "kind" or v != {f.name: f.default for f in dataclasses.fields(StateBudget)}.get(k)}
+
+
+@dataclass
+class KVMModelConfig:
+    """A decoder-only LM: ``embedding -> ln_emb -> blocks -> ln_head -> lm_head``.
+
+    Layer ``i`` uses ``alt_mixer`` when ``alt_every > 1 and i % alt_every == 0`` (the authors' hybrid rule:
+    layers 0, 2, 4, ... are the alternate mixer for ``alt_every=2``), else ``mixer``; ``layer_types``
+    overrides both with an explicit list.
+    """
+
+    vocab_size: int = 50304
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 6
+    num_kv_heads: Optional[int] = None          # -> num_heads
+    head_dim: Optional[int] = None              # -> hidden_size // num_heads
+    ffn_mult: float = 4.0                        # d_ff = floor(ffn_mult * d) // 32 * 32
+    residual_scale: float = 1.0                  # 0.5 for 24-layer models (CompleteP, reference 4.1)
+    mixer: str = "kvm"
+    alt_mixer: Optional[str] = None
+    alt_every: int = 0
+    layer_types: Optional[List[str]] = None
+    rope_dim: Optional[int] = None               # main mixer: -> head_dim // 4 * 2 (HalfRoPE); 0 = NoPE
+    rope_theta: float = 10000.0
+    alt_rope_dim: Optional[int] = None           # alternate mixer: -> head_dim (full RoPE)
+    alt_rope_theta: float = 10000.0
+    rope_reference_bf16: bool = False            # round cos/sin to bf16 like the authors' code
+    # KVM
+    chunk_len: int = 256
+    n_bswa_chunks: int = 2
+    sink_len: int = 1
+    budget: Dict[str, Any] = field(default_factory=lambda: {"kind": "fixed", "n": 256})
+    merge_gate: bool = True
+    gate_appends: bool = False
+    head_temps: bool = True
+    value_radius: bool = True
+    # baselines
+    swa_window: int = 256
+    bswa_chunks: int = 3
+    bswa_sink_len: int = 0
+    ovq_chunk_len: int = 256
+    ovq_max_centroids: int = 1024
+    # GPTAlpha-2 preparation
+    token_shift: bool = True
+    mlp_token_shift: bool = True
+    value_residual: bool = True
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    logit_softcap: Optional[float] = None
+    init_std_embed: float = 1e-4
+
+    def __post_init__(self):
+        def bad(name, problem, fix):
+            raise ValueError(f"KVMModelConfig.{name}: {problem}; {fix}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "chunk_len", "n_bswa_chunks",
+                     "swa_window", "bswa_chunks", "ovq_chunk_len", "ovq_max_centroids"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}", "use a positive size")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            bad("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}", "set head_dim explicitly")
+        kv = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv:
+            bad("num_kv_heads", f"{kv} does not divide num_heads={self.num_heads}", "use a divisor of num_heads")
+        for t in self.mixer_per_layer():
+            if t not in MIXERS:
+                bad("mixer", f"unknown mixer {t!r}", f"choose from {MIXERS}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_layers} layers", "give one per layer")
+        if self.sink_len < 0 or self.bswa_sink_len < 0:
+            bad("sink_len" if self.sink_len < 0 else "bswa_sink_len", "must be >= 0", "use 0 for no sinks")
+        if not self.residual_scale > 0:
+            bad("residual_scale", f"must be > 0, got {self.residual_scale}", "use 1.0 (12 layers) or 0.5 (24)")
+        budget_from_dict(self.budget)             # validates
+        for name in ("rope_dim", "alt_rope_dim"):
+            r = getattr(self, name)
+            if r is not None and (r < 0 or r % 2 or r > self.qk_head_dim):
+                bad(name, f"{r} must be even and in [0, head_dim={self.qk_head_dim}]", "pick an even channel count")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return int(self.ffn_mult * self.hidden_size) // 32 * 32
+
+    def state_budget(self) -> StateBudget:
+        return budget_from_dict(self.budget)
+
+    def mixer_per_layer(self) -> List[str]:
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        alt = self.alt_mixer if (self.alt_mixer and self.alt_every > 1) else None
+        return [alt if alt and i % self.alt_every == 0 else self.mixer for i in range(self.num_layers)]
+
+    def is_alt_layer(self, i: int) -> bool:
+        return bool(self.alt_mixer and self.alt_every > 1 and i % self.alt_every == 0)
+
+    def rope_for_layer(self, i: int) -> int:
+        if self.is_alt_layer(i):
+            return self.qk_head_dim if self.alt_rope_dim is None else self.alt_rope_dim
+        # half the head rounded down to an even count (an odd head_dim // 2 cannot be rotated in pairs)
+        return self.qk_head_dim // 4 * 2 if self.rope_dim is None else self.rope_dim
+
+    def rope_theta_for_layer(self, i: int) -> float:
+        return self.alt_rope_theta if self.is_alt_layer(i) else self.rope_theta
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "KVMModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"KVMModelConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+_SIZES = {"120m": dict(hidden_size=768, num_layers=12, num_heads=6),
+          "350m": dict(hidden_size=1024, num_layers=24, num_heads=8, residual_scale=0.5)}
+_ARCHS = {
+    "kvm": dict(mixer="kvm", budget={"kind": "fixed", "n": 256}),
+    "kvm-sqrt": dict(mixer="kvm", budget={"kind": "power_law", "factor": 16.0, "exponent": 0.5, "min_len": 256}),
+    "kvm-swa": dict(mixer="kvm", alt_mixer="swa", alt_every=2, budget={"kind": "saturating", "n": 1024, "min_len": 1}),
+    "gpta": dict(mixer="full"),
+    "bswa": dict(mixer="bswa"),
+    "ovq-swa": dict(mixer="ovq", alt_mixer="swa", alt_every=2),
+}
+PRESETS: Dict[str, Dict[str, Any]] = {f"{a}-{s}": {**size, **arch} for a, arch in _ARCHS.items()
+                                      for s, size in _SIZES.items()}
+PRESETS["tiny-cpu"] = dict(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, chunk_len=32,
+                           budget={"kind": "power_law", "factor": 4.0, "exponent": 0.5, "min_len": 32},
+                           swa_window=32, ovq_chunk_len=32, ovq_max_centroids=128)
+
+
+def preset(name: str, **overrides) -> KVMModelConfig:
+    """A paper configuration by name (``kvm-120m``, ``kvm-sqrt-350m``, ``tiny-cpu``, ...) with overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return KVMModelConfig(**{**PRESETS[name], **overrides})
