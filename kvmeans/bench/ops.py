@@ -218,16 +218,16 @@ def _report(a, info, res, mem) -> OpsResult:
                  "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes"], table)
     out = Path(a.out)
     csv_path = write_csv(out / "ops.csv", COLUMNS, rows)
-    config = {k: v for k, v in vars(a).items() if k not in ("dev", "out")}
+    config = {k: v for k, v in vars(a).items() if k not in ("dev", "out", "argv")}
     env_path = write_json(out / "env.json", {"env": info, "config": config, "argv": a.argv})
     Ts = a.lengths
     series = lambda mode: {arm: (Ts, [by.get((T, mode, arm), {}).get("time_ms") for T in Ts]) for arm in ARMS}
     panels = [{"title": f"{mode}" + (" (per token)" if mode == "decode" else ""), "ylabel": "time (ms)",
                "series": series(mode)} for mode in a.modes]
-    panels.append({"title": "memory per layer", "ylabel": "bytes", "series": {
+    panels.append({"title": "memory per layer", "ylabel": "bytes", "series": {   # colours follow the arms
+        "full KV cache": (Ts, [kv(T) for T in Ts]),
         "kvm-fixed256 state": (Ts, [mem.get((T, "kvm-fixed256"), {}).get("state_bytes") for T in Ts]),
-        "kvm-sqrt16 state": (Ts, [mem.get((T, "kvm-sqrt16"), {}).get("state_bytes") for T in Ts]),
-        "full KV cache": (Ts, [kv(T) for T in Ts])}})
+        "kvm-sqrt16 state": (Ts, [mem.get((T, "kvm-sqrt16"), {}).get("state_bytes") for T in Ts])}})
     title = (f"KVM vs SDPA, {info['device_name']}, B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} "
              f"{a.dtype}, git {info['git_commit']}")
     png = plot_panels(out / "ops.png", panels, title=title)

@@ -67,7 +67,7 @@ def env_info(device: str = "cpu") -> Dict[str, object]:
     except Exception:                      # not installed, or broken without a driver
         triton_version = None
     commit = _git("rev-parse", "--short", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    status = _git("status", "--porcelain") if commit else None   # untracked (not ignored) counts too
     return {
         "device": str(dev), "device_name": name, "torch": torch.__version__, "triton": triton_version,
         "cuda": torch.version.cuda, "python": platform.python_version(), "platform": platform.platform(),
@@ -124,6 +124,9 @@ def _atomic(path, write: Callable[[str], None]) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)      # mkstemp makes 0600; give the file ordinary permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
