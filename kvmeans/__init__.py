@@ -2,4 +2,16 @@
 from .ops import KVMState, StateBudget, kvm_attention
 
 __version__ = "0.1.0"
-__all__ = ["kvm_attention", "StateBudget", "KVMState", "__version__"]
+__all__ = ["kvm_attention", "StateBudget", "KVMState", "KVMAttention", "KVMAttentionConfig", "KVMForCausalLM",
+           "KVMConfig", "__version__"]
+
+_LAZY = {"KVMAttention": "kvmeans.layers", "KVMAttentionConfig": "kvmeans.layers",
+         "KVMForCausalLM": "kvmeans.models.hf", "KVMConfig": "kvmeans.models.hf"}
+
+
+def __getattr__(name):
+    # the Hugging Face classes need `transformers` (extra "hf"); import them only when asked for
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvmeans' has no attribute {name!r}")

@@ -30,9 +30,126 @@ def _demo(argv: List[str]) -> int:
     return 0
 
 
+def _need_hf(cmd: str) -> bool:
+    try:
+        import safetensors  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"kvmeans {cmd}: needs transformers and safetensors: pip install 'kvmeans[hf]'", file=sys.stderr)
+        return False
+    return True
+
+
+def _load_tokenizer(model_dir: str):
+    """The tokenizer saved next to the model: AutoTokenizer, else a bare ``tokenizer.json``."""
+    import os
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir}: no tokenizer (AutoTokenizer failed: {err}; no tokenizer.json)")
+        return PreTrainedTokenizerFast(tokenizer_file=path)
+
+
+def _generate(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvmeans generate", description="Generate text with a saved KVM model "
+                                "(streams tokens, then prints tokens/s and the cache's memory)")
+    p.add_argument("--model", required=True, help="model directory (ours or the authors' layout) with a tokenizer")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32")
+    p.add_argument("--cache-report", action="store_true", help="print the per-layer cache table")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
+        p.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    if not _need_hf("generate"):
+        return 2
+    import time
+
+    import torch
+    from transformers import TextStreamer
+    from transformers.utils import logging as hf_logging
+
+    from .models.hf import KVMForCausalLM
+    from .models.hf_cache import format_bytes
+
+    hf_logging.disable_progress_bar()
+    tok = _load_tokenizer(a.model)
+    dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
+    model = KVMForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
+    ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(a.device)
+    if ids.shape[1] == 0:
+        p.error("the prompt encodes to no tokens")
+    stamps: List[float] = []
+
+    class Streamer(TextStreamer):   # prints the prompt then each token; records arrival times (1st put: prompt)
+        def put(self, value):
+            stamps.append(time.perf_counter())
+            super().put(value)
+
+    eos = model.config.eos_token_id if model.config.eos_token_id is not None else tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if eos is not None else 0)
+    sample = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else \
+        dict(do_sample=False)
+    torch.manual_seed(a.seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.max_new_tokens,
+                             eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True,
+                             streamer=Streamer(tok, skip_special_tokens=True), **sample)
+    t1 = time.perf_counter()
+    n = out.sequences.shape[1] - ids.shape[1]
+    first = stamps[1] if len(stamps) > 1 else t1
+    decode = f", decode {(n - 1) / (t1 - first):.1f} tok/s" if n > 1 and t1 > first else ""
+    cache = out.past_key_values
+    print(f"\n\n[{n} tokens in {t1 - t0:.2f} s: {n / (t1 - t0):.1f} tok/s (prompt {ids.shape[1]} tokens, "
+          f"first token after {first - t0:.2f} s{decode})]")
+    if cache is not None:
+        print(f"[cache: {format_bytes(cache.nbytes)} over {len(cache.mixers)} layers "
+              f"({', '.join(sorted(set(cache.mixers)))}), {cache.get_seq_length()} tokens seen]")
+        if a.cache_report:
+            print(cache.summary())
+    return 0
+
+
+def _convert(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvmeans convert", description="Convert an authors' checkpoint directory "
+                                "(model_type rwkv7backbone) into the kvmeans layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--no-check", action="store_true", help="skip loading the result with KVMForCausalLM")
+    a = p.parse_args(argv)
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        print("kvmeans convert: needs safetensors: pip install 'kvmeans[hf]'", file=sys.stderr)
+        return 2
+    from .models.convert import convert_reference_checkpoint
+    try:
+        config = convert_reference_checkpoint(a.src, a.dst)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"kvmeans convert: {err}", file=sys.stderr)
+        return 1
+    print(f"converted {a.src} -> {a.dst}: {config.num_layers} layers {config.mixer_per_layer()}, "
+          f"d={config.hidden_size}, vocab={config.vocab_size}")
+    if not a.no_check and _need_hf("convert"):
+        from .models.hf import KVMForCausalLM
+        model = KVMForCausalLM.from_pretrained(a.dst)
+        print(f"loads with KVMForCausalLM.from_pretrained: {model.num_parameters():,} parameters, {model.dtype}")
+    return 0
+
+
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "demo": ("KVM vs full attention on small sizes (the README's first command)", _demo),
     "bench": ("benchmarks: `kvmeans bench ops` (KVM vs SDPA: prefill, backward, decode, memory)", _bench),
+    "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
+    "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
 }
 
 

@@ -1,0 +1,263 @@
+"""Hugging Face ``transformers`` adapter: ``KVMConfig``, ``KVMForCausalLM`` (``generate()``, Auto classes).
+
+Supported transformers: 5.x (``>=5.0,<6``); tests pass with 5.0.0 and 5.23.0 (torch 2.13 CPU). Importing this
+module registers ``model_type "kvmeans"`` with ``AutoConfig`` and ``AutoModelForCausalLM``::
+
+    import kvmeans.models.hf
+    model = AutoModelForCausalLM.from_pretrained(dir)          # our layout
+    model = KVMForCausalLM.from_pretrained(authors_dir)       # also the authors' "rwkv7backbone" layout
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=32, num_beams=2)
+
+Parameter names are the authors' (``transformer.*``, ``lm_head.*``), so our ``model.safetensors``
+keys equal theirs (minus the one unused quirk tensor, see :mod:`kvmeans.models.convert`).
+
+Cache: :class:`~kvmeans.models.hf_cache.KVMCache`. ``_supports_default_dynamic_cache()`` is False and
+``generate`` starts from an empty KVMCache (``forward`` also creates one when given None, and swaps
+an empty ``DynamicCache`` for one). Greedy, sampling, beam search (cache reordering),
+``num_return_sequences`` and ``prefill_chunk_size`` work.
+Padding: the ``attention_mask`` marks pads, which are stripped per row (KVM depends on absolute
+positions: chunk boundaries, sinks); each row's real tokens are numbered from 0, so a left-padded
+batch gives each sequence the logits it has alone (``position_ids`` / ``cache_position`` are
+accepted and ignored). Pad positions get zero logits. Assisted decoding (needs ``crop``) and
+``inputs_embeds`` are not supported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+try:  # spelled PreTrainedConfig since 5.0; the old alias is kept for safety
+    from transformers import PreTrainedConfig
+except ImportError:  # pragma: no cover
+    from transformers import PretrainedConfig as PreTrainedConfig
+
+from .config import KVMModelConfig
+from .convert import (is_reference_checkpoint, load_reference_state_dict, map_reference_state_dict,
+                      reference_config_to_ours)
+from .hf_cache import KVMCache
+from .transformer import KVMLanguageModel
+
+__all__ = ["KVMConfig", "KVMForCausalLM"]
+
+_FIELDS = [f.name for f in dataclasses.fields(KVMModelConfig)]
+
+
+class KVMConfig(PreTrainedConfig):
+    """``PreTrainedConfig`` holding every :class:`KVMModelConfig` field (same names, same defaults).
+
+    ``num_hidden_layers`` / ``num_attention_heads`` / ``num_key_value_heads`` are aliases of
+    ``num_layers`` / ``num_heads`` / ``num_kv_heads``; ``tie_word_embeddings`` follows ``tie_embeddings``.
+    """
+
+    model_type = "kvmeans"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                     "num_key_value_heads": "num_kv_heads"}
+
+    def __init__(self, **kwargs):
+        defaults = KVMModelConfig().to_dict()
+        for name in _FIELDS:
+            setattr(self, name, kwargs.pop(name, defaults[name]))
+        kwargs["tie_word_embeddings"] = bool(self.tie_embeddings)
+        self.use_cache = bool(kwargs.pop("use_cache", True))
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):   # read by GenerationConfig
+            setattr(self, name, kwargs.pop(name, None))
+        kwargs.pop("format_version", None)        # written by convert_reference_checkpoint
+        super().__init__(**kwargs)
+        self.to_model_config()                     # validates
+
+    def to_model_config(self) -> KVMModelConfig:
+        return KVMModelConfig(**{name: getattr(self, name) for name in _FIELDS})
+
+    @classmethod
+    def from_model_config(cls, config: KVMModelConfig, **kwargs) -> "KVMConfig":
+        """``KVMConfig`` from a :class:`KVMModelConfig`; ``kwargs``: HF fields (``eos_token_id``, ...)."""
+        return cls(**config.to_dict(), **kwargs)
+
+
+class KVMForCausalLM(PreTrainedModel, GenerationMixin):
+    """:class:`KVMLanguageModel` as a ``transformers`` causal LM (``transformer`` + ``lm_head``)."""
+
+    config_class = KVMConfig
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _is_stateful = True                # no assisted decoding: a KVM state cannot be rolled back
+    _supports_cache_class = True
+
+    def __init__(self, config: KVMConfig):
+        super().__init__(config)
+        lm = KVMLanguageModel(config.to_model_config())
+        self.transformer, self.lm_head = lm.transformer, lm.lm_head
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False                   # never a DynamicCache: generate() gets a KVMCache (below / forward)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Let ``generate`` start with an empty :class:`KVMCache` (chunked prefill needs one up front)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache:
+            model_kwargs["past_key_values"] = KVMCache(self.layer_types())
+
+    def _init_weights(self, module):
+        """No-op: every module initialises itself in its constructor (the paper's scheme);
+        ``from_pretrained`` refuses checkpoints with missing tensors instead of inventing them."""
+
+    @classmethod
+    def from_language_model(cls, lm: KVMLanguageModel, **config_kwargs) -> "KVMForCausalLM":
+        """Wrap an existing :class:`KVMLanguageModel` (weights copied)."""
+        model = cls(KVMConfig.from_model_config(lm.config, **config_kwargs))
+        model.load_state_dict(lm.state_dict())
+        p = next(lm.parameters())
+        return model.to(device=p.device, dtype=p.dtype)
+
+    def get_input_embeddings(self):
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value):
+        self.transformer.wte = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def layer_types(self) -> List[str]:
+        return [b.mixer for b in self.transformer.h]
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = None,
+                cache_position: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
+                logits_to_keep: Union[int, Tensor] = 0, labels: Optional[Tensor] = None,
+                inputs_embeds: Optional[Tensor] = None, return_dict: Optional[bool] = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """``input_ids [B, T]`` -> ``CausalLMOutputWithPast(loss, logits [B, T', V] fp32, past_key_values)``.
+
+        Args:
+            attention_mask: ``[B, past + T]`` or ``[B, T]``, 1 = token, 0 = pad (any pattern; pads
+                are stripped per row and get zero logits).
+            past_key_values: a :class:`KVMCache` from a previous call (or None / an empty Cache).
+            logits_to_keep: int k > 0 keeps the last k positions, or a 1-D index tensor; ignored
+                when ``labels`` are given.
+            labels: ``[B, T]``; loss = mean CE of ``logits[:, :-1]`` vs ``labels[:, 1:]``, -100
+                ignored (``num_items_in_batch`` in kwargs: summed / that count).
+            position_ids, cache_position: accepted for API compatibility and ignored.
+            return_dict: False returns ``out.to_tuple()``.
+        """
+        if inputs_embeds is not None:
+            raise NotImplementedError("KVMForCausalLM takes input_ids, not inputs_embeds")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("input_ids [B, T] is required")
+        if use_cache is None:
+            use_cache = bool(self.config.use_cache) and labels is None
+        cache = self._as_kvm_cache(past_key_values)
+        mask = self._new_columns_mask(attention_mask, cache, input_ids.shape[1])
+        hidden = cache.advance(self.transformer, input_ids, mask)
+        if hidden is None:             # every new column is a pad (e.g. a chunk of left padding)
+            w = self.lm_head.weight
+            hidden = w.new_zeros(input_ids.shape[0], input_ids.shape[1], w.shape[1])
+        if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            hidden = hidden[:, keep]
+        logits = self.lm_head(hidden)
+        cap = self.config.logit_softcap
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits.float()
+        loss = None if labels is None else self._loss(logits, labels, kwargs.get("num_items_in_batch"))
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
+        return out.to_tuple() if return_dict is False else out
+
+    def _as_kvm_cache(self, past: Optional[Cache]) -> KVMCache:
+        if isinstance(past, KVMCache):
+            return past.bind(self.layer_types())
+        if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
+            return KVMCache(self.layer_types())
+        raise TypeError(f"past_key_values must be a KVMCache returned by this model, got {type(past).__name__}")
+
+    @staticmethod
+    def _new_columns_mask(attention_mask: Optional[Tensor], cache: KVMCache, T: int) -> Optional[Tensor]:
+        """The ``[B, T]`` mask of the new columns from a ``[B, past + T]`` or ``[B, T]`` mask."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be 2-D [B, L] (1 = token, 0 = pad), got {attention_mask.dim()}-D")
+        L = attention_mask.shape[1]
+        if L not in (T, cache.get_seq_length() + T):
+            raise ValueError(f"attention_mask has {L} columns; expected {T} (this call) or "
+                             f"{cache.get_seq_length() + T} (cached {cache.get_seq_length()} + this call)")
+        return attention_mask[:, L - T:]
+
+    @staticmethod
+    def _loss(logits: Tensor, labels: Tensor, num_items: Optional[Any]) -> Tensor:
+        shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+        if num_items is None:
+            return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+        return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum") / num_items
+
+    # ---- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load our layout (``model_type "kvmeans"``, through transformers) or, for a local directory
+        whose ``config.json`` has ``model_type "rwkv7backbone"``, the authors' layout (config mapped
+        by :func:`reference_config_to_ours`, tensors checked by :func:`map_reference_state_dict`).
+
+        Missing or mis-shaped tensors raise ``ValueError``. Authors' layout: ``dtype``/``torch_dtype``
+        (default ``"auto"`` = as stored, bf16 for the released models, like transformers 5 does for
+        ours; pass ``dtype=torch.float32`` on CPU) and ``device_map`` (one device) apply.
+        """
+        path = pretrained_model_name_or_path
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
+            return cls._from_reference(Path(path), **kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(bad.values()):
+            raise ValueError(f"{path}: checkpoint does not match the config: " +
+                             "; ".join(f"{k}: {v[:5]}" for k, v in bad.items() if v))
+        return (model, info) if want_info else model
+
+    @classmethod
+    def _from_reference(cls, path: Path, dtype=None, torch_dtype=None, device_map=None, config=None,
+                        **ignored) -> "KVMForCausalLM":
+        raw = json.loads((path / "config.json").read_text())
+        mc = reference_config_to_ours(raw)
+        sd = map_reference_state_dict(load_reference_state_dict(path), mc)
+        hf_extra = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+        cfg = KVMConfig.from_model_config(mc, **hf_extra)
+        dtype = dtype if dtype is not None else torch_dtype
+        if dtype is None or dtype == "auto":       # transformers 5's default: as stored
+            dtype = next(v.dtype for v in sd.values() if v.is_floating_point())
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        cfg.dtype = dtype
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+        if device_map is not None:
+            if isinstance(device_map, dict):
+                raise NotImplementedError("device_map dicts are not supported for the authors' layout; "
+                                          "pass one device (\"cpu\", \"cuda\")")
+            model.to(device_map)
+        model.config.name_or_path = str(path)
+        return model.eval()
+
+
+AutoConfig.register(KVMConfig.model_type, KVMConfig, exist_ok=True)
+AutoModelForCausalLM.register(KVMConfig, KVMForCausalLM, exist_ok=True)

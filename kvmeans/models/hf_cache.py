@@ -1,0 +1,296 @@
+"""``KVMCache``: a ``transformers.Cache`` holding :class:`ModelCache` states for ``generate()``.
+
+A KVM layer's state is not a list of keys and values that can be appended to or cut: it is a
+compressed state (``KVMState``), a window cache (SWA/BSWA), a full KV cache or an OVQ codebook, and
+all of them depend on the absolute position of every real token (chunk boundaries, sinks). So this
+cache does not implement ``update(key, value, layer_idx)``; the model advances it as a whole through
+:meth:`KVMCache.advance`.
+
+Padding. The batch is partitioned into *groups* of rows that have seen the same number of real
+tokens; each group owns one batched :class:`ModelCache`. A call whose attention mask has no padding
+runs each group as one batch (one group = the whole batch in the common case). When the new columns
+contain pads, every group is split by its rows' count of new real tokens, each row's pads are
+stripped, and the pieces run separately; pads never enter a state and their outputs are zeros. A
+left-padded prompt batch therefore decodes as one group per distinct prompt length (rows of equal
+length stay batched). Groups are never merged back.
+
+Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` gather rows
+(and so every layer's state) across groups. ``crop`` cannot roll a compressed state back and raises
+``NotImplementedError`` (assisted / speculative decoding are unsupported; the model is ``_is_stateful``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .cache import ModelCache
+
+__all__ = ["KVMCache", "KVMCacheLayer", "format_bytes"]
+
+Backbone = Callable[[Tensor, Optional[ModelCache]], Tuple[Tensor, ModelCache]]
+
+
+def format_bytes(n: int) -> str:
+    """``1536 -> "1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@dataclass
+class _Group:
+    rows: Tensor                    # [G] long, batch rows (ascending) sharing one state
+    cache: Optional[ModelCache]     # batched over those rows; None before their first real token
+
+
+class KVMCacheLayer(CacheLayerMixin):
+    """Read-only per-layer view of a :class:`KVMCache` (so generic ``Cache`` code sees one layer per
+    model layer). It stores nothing: ``update`` raises, sizes come from the parent cache."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, parent: "KVMCache", layer_idx: int):
+        super().__init__()
+        self.parent, self.layer_idx = parent, layer_idx
+
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("KVM layers keep their own state; the model advances KVMCache as a whole")
+
+    def get_seq_length(self, *args) -> int:
+        return self.parent.get_seq_length()
+
+    def get_mask_sizes(self, query_length, *args) -> Tuple[int, int]:
+        q = query_length.shape[0] if isinstance(query_length, Tensor) else int(query_length)
+        return self.get_seq_length() + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length      # name used by transformers < 5.x deprecation of it
+
+    def reset(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:  # the parent reorders all layers at once
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        return self.parent.layer_nbytes(self.layer_idx)
+
+
+class KVMCache(Cache):
+    """Carried states of a :class:`KVMForCausalLM` batch, usable as ``past_key_values``.
+
+    Args:
+        mixers: per layer the mixer name (``"kvm"``, ``"swa"``, ...); sets ``len(cache)``.
+
+    Attributes:
+        groups: partition of the batch rows into groups with a shared :class:`ModelCache`.
+        columns: input columns consumed so far, pads included (what ``get_seq_length`` returns, so
+            ``generate`` slices ``input_ids`` / ``attention_mask`` correctly).
+        lengths: ``[B]`` real (unpadded) tokens each row has seen.
+    """
+
+    is_compileable = False
+
+    def __init__(self, mixers: Optional[List[str]] = None):
+        self.mixers = list(mixers or [])
+        super().__init__(layers=[KVMCacheLayer(self, i) for i in range(len(self.mixers))])
+        self.groups: List[_Group] = []
+        self.columns = 0
+        self.lengths: Optional[Tensor] = None
+
+    def bind(self, mixers: List[str]) -> "KVMCache":
+        """Give a cache built without layer info (``KVMCache()``) its per-layer views; check others."""
+        if not self.mixers:
+            self.mixers = list(mixers)
+            self.layers = [KVMCacheLayer(self, i) for i in range(len(self.mixers))]
+        elif self.mixers != list(mixers):
+            raise ValueError(f"this KVMCache was built for layers {self.mixers}, the model has {list(mixers)}")
+        return self
+
+    # ---- running the model ---------------------------------------------------------------------
+    def advance(self, backbone: Backbone, input_ids: Tensor, mask: Optional[Tensor] = None) -> Optional[Tensor]:
+        """Run ``backbone`` on the new columns, advancing every row's state by its real tokens.
+
+        Args:
+            backbone: ``(ids [G, n], ModelCache | None) -> (hidden [G, n, d], ModelCache)``.
+            input_ids: ``[B, T]`` new columns.
+            mask: ``[B, T]`` 1 = real token, 0 = pad; None = all real.
+        Returns:
+            ``hidden [B, T, d]``, zeros at pad positions; None when every new column is a pad.
+        """
+        B, T = input_ids.shape
+        if mask is not None and bool(mask.all()):
+            mask = None
+        if self.lengths is None:
+            self.groups = [_Group(torch.arange(B), None)]
+            self.lengths = torch.zeros(B, dtype=torch.long)
+        elif B != self.batch_size:
+            raise ValueError(f"KVMCache holds {self.batch_size} sequences but input_ids has batch {B}")
+        counts = torch.full((B,), T, dtype=torch.long) if mask is None else mask.long().sum(1).cpu()
+        if mask is None and len(self.groups) == 1:      # common case: one batched call, no copies
+            g = self.groups[0]                          # (a single group holds rows 0..B-1 in order)
+            hidden, g.cache = backbone(input_ids, g.cache)
+            self._finish(T, counts)
+            return hidden
+        out: Optional[Tensor] = None
+        new_groups: List[_Group] = []
+        for g in self.groups:
+            c = counts[g.rows]
+            for n in c.unique().tolist():
+                local = (c == n).nonzero().flatten()
+                rows = g.rows[local]
+                sub = g.cache if (len(local) == len(g.rows) or g.cache is None) else g.cache.index_select(local)
+                if n > 0:
+                    dev_rows = rows.to(input_ids.device)
+                    ids = input_ids[dev_rows]
+                    if mask is not None:
+                        ids = ids[mask[dev_rows].bool()].view(len(rows), n)
+                    hidden, sub = backbone(ids, sub)
+                    if out is None:
+                        out = hidden.new_zeros(B, T, hidden.shape[-1])
+                    if mask is None:
+                        out[dev_rows] = hidden
+                    else:
+                        block = out[dev_rows]
+                        block[mask[dev_rows].bool()] = hidden.reshape(-1, hidden.shape[-1])
+                        out[dev_rows] = block
+                new_groups.append(_Group(rows, sub))
+        self.groups = new_groups
+        self._finish(T, counts)
+        return out
+
+    @staticmethod
+    def _in_order(g: _Group) -> bool:
+        return bool((g.rows == torch.arange(len(g.rows))).all())
+
+    def _finish(self, T: int, counts: Tensor) -> None:
+        self.columns += T
+        self.lengths = self.lengths + counts
+
+    # ---- transformers Cache API ----------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns consumed so far (pads included); see :attr:`lengths` for real tokens per row."""
+        return self.columns
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> Tuple[int, int]:
+        q = query_length.shape[0] if isinstance(query_length, Tensor) else int(query_length)
+        return self.columns + q, 0
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    get_max_cache_shape = get_max_length
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.lengths is None else int(self.lengths.shape[0])
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.lengths is not None
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        """Forget every sequence (the next call starts new ones at position 0)."""
+        self.groups, self.columns, self.lengths = [], 0, None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError(
+            "KVMCache cannot be cropped: KVM states merge tokens irreversibly (and window caches drop them), so "
+            "generation modes that roll the cache back (assisted / speculative decoding) are not supported")
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search: row ``j`` becomes old row ``beam_idx[j]`` in every layer's state."""
+        self._gather(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._gather(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._gather(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def _gather(self, src: Tensor) -> None:
+        if self.lengths is None:
+            return
+        src = torch.as_tensor(src, dtype=torch.long).cpu()
+        if len(self.groups) == 1 and self._in_order(self.groups[0]):     # common case: one batched state
+            g = self.groups[0]
+            if g.cache is not None:
+                if len(src) == len(g.rows):
+                    g.cache.reorder_(src)
+                else:
+                    g.cache = g.cache.index_select(src)
+            g.rows = torch.arange(len(src))
+        else:
+            owner: Dict[int, Tuple[int, int]] = {}
+            for gi, g in enumerate(self.groups):
+                for p, r in enumerate(g.rows.tolist()):
+                    owner[r] = (gi, p)
+            picks: Dict[int, Tuple[List[int], List[int]]] = {}
+            for j, r in enumerate(src.tolist()):
+                gi, p = owner[r]
+                picks.setdefault(gi, ([], []))[0].append(j)
+                picks[gi][1].append(p)
+            self.groups = [
+                _Group(torch.tensor(js), None if self.groups[gi].cache is None
+                       else self.groups[gi].cache.index_select(torch.tensor(ps)))
+                for gi, (js, ps) in sorted(picks.items())]
+        self.lengths = self.lengths[src]
+
+    # ---- inspection ----------------------------------------------------------------------------
+    def to_model_cache(self) -> ModelCache:
+        """The single batched :class:`ModelCache` (rows in batch order); raises if the rows were split
+        into groups by padding."""
+        if len(self.groups) != 1 or not self._in_order(self.groups[0]) or self.groups[0].cache is None:
+            raise ValueError(f"the batch is split into {len(self.groups)} group(s) (padding); "
+                             "read .groups for the per-group ModelCaches")
+        return self.groups[0].cache
+
+    def layer_nbytes(self, i: int) -> int:
+        return sum(g.cache.layer_nbytes(i) for g in self.groups if g.cache is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's state over all groups (buffers' spare capacity included)."""
+        return sum(g.cache.nbytes for g in self.groups if g.cache is not None)
+
+    def report(self) -> List[Dict[str, Any]]:
+        """Per layer ``{"layer", "mixer", "nbytes", "groups", "state"}`` (``state``: the first group's
+        state repr)."""
+        rows = []
+        for i, mixer in enumerate(self.mixers):
+            caches = [g.cache for g in self.groups if g.cache is not None]
+            rows.append(dict(layer=i, mixer=mixer, nbytes=self.layer_nbytes(i), groups=len(caches),
+                             state=repr(caches[0].layers[i]) if caches else "empty"))
+        return rows
+
+    def summary(self) -> str:
+        """A printable per-layer table with the total."""
+        lines = [f"{'layer':>5} {'mixer':>6} {'bytes':>12}  state"]
+        lines += [f"{r['layer']:>5} {r['mixer']:>6} {r['nbytes']:>12,}  {r['state']}" for r in self.report()]
+        lines.append(f"{'total':>5} {'':>6} {self.nbytes:>12,}  ({format_bytes(self.nbytes)}; "
+                     f"{len(self.groups)} group(s), {self.columns} columns)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"KVMCache(layers={len(self.mixers)}, batch={self.batch_size}, groups={len(self.groups)}, "
+                f"columns={self.columns}, nbytes={self.nbytes})")
