@@ -13,11 +13,12 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from ..utils.io import atomic_write
 
 __all__ = ["env_info", "format_env", "format_table", "print_table", "write_csv", "write_json",
            "plot_panels", "human_bytes"]
@@ -117,22 +118,8 @@ def human_bytes(n: Optional[float]) -> str:
 
 # ---- atomic writers ---------------------------------------------------------------------------
 def _atomic(path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` for a temp file next to ``path``, then move it over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)      # mkstemp makes 0600; give the file ordinary permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    atomic_write(path, write)
+    return Path(path)
 
 
 def write_csv(path, fieldnames: Sequence[str], rows: Sequence[Dict[str, object]]) -> Path:

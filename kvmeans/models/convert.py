@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Tuple, Union
 
@@ -22,6 +21,7 @@ from torch import Tensor
 from ._reference_format import (KVM_CLASS_PATHS, MIXER_NAMES, MODE_PREFIX, REFERENCE_DEFAULTS,
                                 REFERENCE_MODEL_TYPE, _dropped_names, build_tiny_reference_checkpoint,
                                 reference_parameter_shapes)
+from ..utils.io import atomic_write
 from .config import KVMModelConfig
 
 __all__ = ["reference_config_to_ours", "is_reference_checkpoint", "load_reference_state_dict",
@@ -265,19 +265,6 @@ def _load_bin(path: Path) -> Dict[str, Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _atomic_write(dst: Path, write):
-    """Call ``write(tmp_path)`` on a temp file next to ``dst``, then ``os.replace`` it into place."""
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike) -> KVMModelConfig:
     """Convert an authors' checkpoint directory into ours; returns the mapped config.
 
@@ -295,12 +282,12 @@ def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike) -> KVMMod
     # safetensors refuses views and shared storage: give each tensor its own compact buffer
     sd = {k: v.detach().contiguous().clone() for k, v in sd.items()}
     meta = {"format": "pt", "kvmeans_format_version": str(FORMAT_VERSION), "converted_from": REFERENCE_MODEL_TYPE}
-    _atomic_write(dst / "model.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
+    atomic_write(dst / "model.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
     ours = {**config.to_dict(), "model_type": OUR_MODEL_TYPE, "format_version": FORMAT_VERSION}
-    _atomic_write(dst / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(ours, indent=2) + "\n"))
+    atomic_write(dst / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(ours, indent=2) + "\n"))
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            _atomic_write(dst / name, lambda tmp, n=name: shutil.copyfile(src / n, tmp))
+            atomic_write(dst / name, lambda tmp, n=name: shutil.copyfile(src / n, tmp))
     return config
 
 

@@ -22,12 +22,13 @@ import importlib.util
 import json
 import os
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
+
+from ..utils.io import atomic_write
 
 MAGIC = b"KVMTOK1\0"
 _ALIGN = 64
@@ -118,11 +119,10 @@ def write_token_file(path: Union[str, os.PathLike], tokens: Union[np.ndarray, to
     if isinstance(tokens, (np.ndarray, torch.Tensor)) or (
             isinstance(tokens, (list, tuple)) and (not tokens or np.isscalar(tokens[0]))):
         tokens = [tokens]  # one flat sequence rather than a sequence of chunks
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    n = 0
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp) -> int:
+        n = 0
+        with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<I", hsize) + b" " * hsize)
             for chunk in tokens:
                 a = chunk.detach().cpu().numpy() if isinstance(chunk, torch.Tensor) else np.asarray(chunk)
@@ -140,12 +140,8 @@ def write_token_file(path: Union[str, os.PathLike], tokens: Union[np.ndarray, to
             f.write(_header_bytes(header, hsize))
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the result should read like any other file
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        return n
+    n = atomic_write(path, write)
     return n
 
 

@@ -18,9 +18,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
+
+from ..utils.io import atomic_write_text
 
 EOT = "<|endoftext|>"
 GPT2_ID = "gpt2"
@@ -35,20 +36,6 @@ def _tk():
         raise ImportError("kvmeans tokenizers need the `tokenizers` package: pip install tokenizers "
                           "(or pip install 'kvmeans[data]')") from None
     return tokenizers
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _byte_level(tok):
@@ -124,7 +111,7 @@ def builtin_tokenizer(vocab_size: int = 4096, cache: Optional[Union[str, os.Path
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer)
-    _atomic_write(path, tok.to_str())
+    atomic_write_text(path, tok.to_str())
     return tok
 
 
@@ -174,10 +161,10 @@ def save_tokenizer(tok, directory: Union[str, os.PathLike], eos_token: str = EOT
     if tok.token_to_id(eos_token) is None:
         raise ValueError(f"tokenizer has no {eos_token!r} token")
     d = Path(directory)
-    _atomic_write(d / "tokenizer.json", tok.to_str())
+    atomic_write_text(d / "tokenizer.json", tok.to_str())
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": eos_token,
            "unk_token": eos_token, "pad_token": eos_token, "model_max_length": int(model_max_length),
            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
            **(extra or {})}
-    _atomic_write(d / "tokenizer_config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(d / "tokenizer_config.json", json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return d
