@@ -145,11 +145,29 @@ def _convert(argv: List[str]) -> int:
     return 0
 
 
+def _train(argv: List[str]) -> int:
+    from .train.cli import main
+    return main(argv)
+
+
+def _data(argv: List[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvmeans data prepare --input PATH... --out DIR [options]   (kvmeans data prepare --help)")
+        return 0
+    if argv[0] != "prepare":
+        print(f"kvmeans data: unknown action {argv[0]!r}; available: prepare", file=sys.stderr)
+        return 2
+    from .train.prepare import main
+    return main(argv[1:])
+
+
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "demo": ("KVM vs full attention on small sizes (the README's first command)", _demo),
     "bench": ("benchmarks: `kvmeans bench ops` (KVM vs SDPA: prefill, backward, decode, memory)", _bench),
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
+    "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
+    "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
 }
 
 

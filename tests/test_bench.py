@@ -28,3 +28,11 @@ def test_cli_routes_to_bench(tmp_path):
     assert cli(["bench", "ops"] + SMALL[:2] + ["--modes", "prefill"] + SMALL[3:] + ["--out", str(tmp_path)]) == 0
     assert (tmp_path / "ops.csv").exists()
     assert cli(["nope"]) == 2
+
+
+def test_cli_lists_and_routes_every_command(capsys):
+    assert cli(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("demo", "bench", "generate", "convert", "train", "data"):
+        assert f"  {name}" in listed
+    assert cli(["data", "--help"]) == 0 and cli(["data", "nope"]) == 2

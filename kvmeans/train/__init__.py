@@ -7,11 +7,15 @@
 """
 from .config import RUN_PRESETS, ConfigError, RunConfig, resolve_config
 
-
-def train(config, resume=None, **kwargs):
-    """:func:`kvmeans.train.loop.train` (imported on first use)."""
-    from .loop import train as _train
-    return _train(config, resume=resume, **kwargs)
+__all__ = ["RUN_PRESETS", "ConfigError", "RunConfig", "resolve_config", "train", "main"]
 
 
-__all__ = ["RUN_PRESETS", "ConfigError", "RunConfig", "resolve_config", "train"]
+def __getattr__(name):
+    # the loop and its CLI load on first use, so `import kvmeans.train.prepare` stays light
+    if name == "train":
+        from .loop import train
+        return train
+    if name == "main":
+        from .cli import main
+        return main
+    raise AttributeError(f"module 'kvmeans.train' has no attribute {name!r}")

@@ -1,0 +1,115 @@
+"""Training checkpoints: one ``.pt`` file per save, written atomically, the newest named by ``ckpt/latest``.
+
+A checkpoint holds everything an exact resume needs: the model and optimiser (full, unsharded
+state dicts keyed by parameter name, so a DDP run can resume under FSDP or another world size),
+the step, the data position (``TokenBatches.state_dict()``), the RNG states, elapsed time and the
+run config. Files are written by rank 0 into a temp file in the same folder, fsynced, then
+``os.replace``d: a crash or a signal never leaves a half-written checkpoint behind.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+__all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "atomic_write",
+           "rng_state", "set_rng_state"]
+
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(file_object)`` into a temp file next to ``path``, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: Dict[str, Any], keep: int = 3) -> Optional[Path]:
+    """Write ``ckpt_dir/step_{step:08d}.pt`` and point ``ckpt_dir/latest`` at it; keep the ``keep`` newest.
+
+    Collective under torch.distributed (every rank must call it: FSDP gathers the full tensors);
+    only rank 0 writes. ``model`` is the unwrapped module (or the FSDP root). ``extra``: step-level
+    state (data position, elapsed time, config, ...). Returns the path on rank 0, else None.
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = {"model": get_model_state_dict(model, options=opts),
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=opts),
+             "step": step, "rng": rng_state(), **extra}
+    if not _is_rank0():
+        return None
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / f"step_{step:08d}.pt"
+    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(ckpt_dir / "latest", lambda f: f.write(path.name.encode() + b"\n"))
+    for old in sorted(p for p in ckpt_dir.iterdir() if _NAME.match(p.name))[:-keep]:
+        old.unlink()
+    return path
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The file named by ``ckpt_dir/latest`` (or the highest ``step_*.pt`` if that file is missing)."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / "latest"
+    if pointer.exists():
+        path = ckpt_dir / pointer.read_text().strip()
+        if path.exists():
+            return path
+    found = sorted(p for p in ckpt_dir.glob("step_*.pt") if _NAME.match(p.name))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path) -> Dict[str, Any]:
+    """Read a checkpoint onto the CPU (``weights_only``: plain containers and tensors, no pickled code)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def restore_checkpoint(state: Dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the model and optimiser state and the RNG states (every rank; FSDP re-shards)."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
+    # non-strict: a parameter that never had a gradient (e.g. a KVM state projection before the
+    # first overflow chunk) has no AdamW state yet, exactly as in a fresh optimiser
+    set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+    set_rng_state(state["rng"])
