@@ -8,10 +8,8 @@ run config. Files are written by rank 0 into a temp file in the same folder, fsy
 """
 from __future__ import annotations
 
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -22,30 +20,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "atomic_write",
-           "rng_state", "set_rng_state"]
+from ..utils.io import atomic_write_file
+
+__all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
 
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def atomic_write(path: Path, write) -> None:
-    """``write(file_object)`` into a temp file next to ``path``, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def rng_state() -> Dict[str, Any]:
@@ -78,8 +61,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torc
         return None
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / f"step_{step:08d}.pt"
-    atomic_write(path, lambda f: torch.save(state, f))
-    atomic_write(ckpt_dir / "latest", lambda f: f.write(path.name.encode() + b"\n"))
+    atomic_write_file(path, lambda f: torch.save(state, f))
+    atomic_write_file(ckpt_dir / "latest", lambda f: f.write(path.name.encode() + b"\n"))
     for old in sorted(p for p in ckpt_dir.iterdir() if _NAME.match(p.name))[:-keep]:
         old.unlink()
     return path

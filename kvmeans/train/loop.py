@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import KVMModelConfig
-from .checkpoint import atomic_write, latest_checkpoint, load_checkpoint, restore_checkpoint, save_checkpoint
+from ..utils.io import atomic_write_file
+from .checkpoint import latest_checkpoint, load_checkpoint, restore_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .data import TokenBatches, TokenFile
 from .metrics import MetricsLog, Progress
@@ -196,12 +197,12 @@ def write_run_files(run: Run) -> None:
         return
     run.out.mkdir(parents=True, exist_ok=True)
     config = json.dumps(run.cfg.to_dict(), indent=2, sort_keys=True) + "\n"
-    atomic_write(run.out / "config.json", lambda f: f.write(config.encode()))
+    atomic_write_file(run.out / "config.json", lambda f: f.write(config.encode()))
     env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
            "device": torch.cuda.get_device_name(run.rt.device) if run.rt.device.type == "cuda" else "cpu",
            "world_size": run.rt.world, "commit": _git_commit(), "strategy": run.cfg.train.strategy,
            "autocast": str(run.rt.amp_dtype), "parameters": sum(p.numel() for p in run.raw.parameters())}
-    atomic_write(run.out / "env.json", lambda f: f.write((json.dumps(env, indent=2) + "\n").encode()))
+    atomic_write_file(run.out / "env.json", lambda f: f.write((json.dumps(env, indent=2) + "\n").encode()))
 
 
 def _git_commit() -> Optional[str]:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .checkpoint import atomic_write
+from ..utils.io import atomic_write_file
 from .config import RunConfig
 
 __all__ = ["MetricsLog", "Progress", "COLUMNS"]
@@ -52,7 +52,7 @@ class MetricsLog:
         writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        atomic_write(self.path, lambda f: f.write(buf.getvalue().encode()))
+        atomic_write_file(self.path, lambda f: f.write(buf.getvalue().encode()))
 
     def _open_trackers(self) -> None:
         t = self.cfg.train

@@ -21,6 +21,11 @@ def atomic_write(path: Union[str, os.PathLike], write: Callable[[str], R]) -> R:
     os.close(fd)
     try:
         result = write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)          # durable before it becomes visible
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes 0600; give the file ordinary permissions
@@ -37,3 +42,11 @@ def atomic_write_text(path: Union[str, os.PathLike], text: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
     atomic_write(path, write)
+
+
+def atomic_write_file(path: Union[str, os.PathLike], write: Callable) -> None:
+    """Like :func:`atomic_write` but ``write`` receives an open binary file object."""
+    def to_file(tmp):
+        with open(tmp, "wb") as f:
+            write(f)
+    atomic_write(path, to_file)
