@@ -298,3 +298,9 @@ def test_cli_generate_smoke(tmp_path, capsys):
     first = capsys.readouterr().out.split("\n\n[")[0]
     assert cli(args + ["--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]) == 0
     assert capsys.readouterr().out.split("\n\n[")[0] == first
+
+
+def test_config_has_no_positional_limit():
+    from kvmeans.models.hf import KVMConfig
+    assert KVMConfig().max_position_embeddings == 2 ** 30      # what lm-eval reads for its max length
+    assert KVMConfig(max_position_embeddings=4096).max_position_embeddings == 4096

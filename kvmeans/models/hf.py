@@ -73,6 +73,8 @@ class KVMConfig(PreTrainedConfig):
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):   # read by GenerationConfig
             setattr(self, name, kwargs.pop(name, None))
         kwargs.pop("format_version", None)        # written by convert_reference_checkpoint
+        # no positional limit (RoPE only on the window; the state is position-free); lm-eval reads this
+        self.max_position_embeddings = int(kwargs.pop("max_position_embeddings", 2 ** 30))
         super().__init__(**kwargs)
         self.to_model_config()                     # validates
 
