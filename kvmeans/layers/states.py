@@ -6,12 +6,13 @@ Every state is a small dataclass with ``seen_tokens``, ``extras`` (token-shift r
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ..ops.state import BatchedState
 
 __all__ = ["BatchedState", "KVCacheState", "expand_kv", "pack_rows"]
 
@@ -34,52 +35,6 @@ def pack_rows(rows: Tensor, capacity: int) -> Tensor:
     if n > capacity:
         raise ValueError(f"{n} rows do not fit a buffer of {capacity}")
     return torch.cat((rows, rows.new_zeros(B, Hkv, capacity - n, X)), dim=2)
-
-
-class BatchedState:
-    """Batch-wise copies and memory accounting for dataclass states whose tensor fields are
-    listed in ``_TENSORS`` (batch first)."""
-
-    _TENSORS: tuple = ()
-
-    def _replace(self, fn):
-        out = copy.copy(self)
-        for name in self._TENSORS:
-            t = getattr(self, name)
-            setattr(out, name, None if t is None else fn(t))
-        out.extras = {k: fn(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in self.extras.items()}
-        return out
-
-    def clone(self):
-        return self._replace(lambda t: t.clone())
-
-    def detach(self):
-        """A copy cut from the autograd graph (truncated backpropagation through time)."""
-        return self._replace(lambda t: t.detach())
-
-    def index_select(self, batch_index: Tensor):
-        """Select / reorder sequences of the batch (beam search): ``batch_index`` is ``[B']`` long."""
-        idx = torch.as_tensor(batch_index, dtype=torch.long)
-        return self._replace(lambda t: t.index_select(0, idx.to(t.device)))
-
-    def reorder_(self, batch_index: Tensor):
-        """In-place version of :meth:`index_select` (the object is kept, buffers are replaced)."""
-        new = self.index_select(batch_index)
-        for f in fields(self):
-            setattr(self, f.name, getattr(new, f.name))
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated by the mixer's buffers (capacity included, ``extras`` excluded)."""
-        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self._TENSORS)
-                   if t is not None)
-
-    def check_batch(self, batch: int, owner: str) -> None:
-        have = getattr(self, self._TENSORS[0]).shape[0]
-        if have != batch:
-            raise ValueError(f"{owner}: the state holds {have} sequences but x has batch {batch}; pass the "
-                             f"state returned for these sequences (index_select it for beams)")
 
 
 @dataclass

@@ -14,11 +14,61 @@ from torch import Tensor
 
 from .schedule import bswa_begin
 
-__all__ = ["KVMState"]
+__all__ = ["KVMState", "BatchedState"]
+
+
+class BatchedState:
+    """Batch-wise copies and memory accounting for dataclass states whose tensor fields are
+    listed in ``_TENSORS`` (batch first)."""
+
+    _TENSORS: tuple = ()
+
+    def _replace(self, fn):
+        out = copy.copy(self)
+        for name in self._TENSORS:
+            t = getattr(self, name)
+            setattr(out, name, None if t is None else fn(t))
+        out.extras = {k: fn(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in self.extras.items()}
+        out._reset_caches()
+        return out
+
+    def _reset_caches(self) -> None:
+        """Hook: drop derived caches on a copy."""
+
+    def clone(self):
+        return self._replace(lambda t: t.clone())
+
+    def detach(self):
+        """A copy cut from the autograd graph (truncated backpropagation through time)."""
+        return self._replace(lambda t: t.detach())
+
+    def index_select(self, batch_index: Tensor):
+        """Select / reorder sequences of the batch (beam search): ``batch_index`` is ``[B']`` long."""
+        idx = torch.as_tensor(batch_index, dtype=torch.long)
+        return self._replace(lambda t: t.index_select(0, idx.to(t.device)))
+
+    def reorder_(self, batch_index: Tensor):
+        """In-place version of :meth:`index_select` (the object is kept, buffers are replaced)."""
+        new = self.index_select(batch_index)
+        for f in fields(self):
+            setattr(self, f.name, getattr(new, f.name))
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by the buffers (capacity included; ``extras`` and caches excluded)."""
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self._TENSORS)
+                   if t is not None)
+
+    def check_batch(self, batch: int, owner: str) -> None:
+        have = getattr(self, self._TENSORS[0]).shape[0]
+        if have != batch:
+            raise ValueError(f"{owner}: the state holds {have} sequences but x has batch {batch}; pass the "
+                             f"state returned for these sequences (index_select it for beams)")
 
 
 @dataclass
-class KVMState:
+class KVMState(BatchedState):
     """Carried state of one KVM attention layer for a batch of sequences of equal length.
 
     Buffers are preallocated with spare capacity so decoding does not reallocate per token;
@@ -113,51 +163,21 @@ class KVMState:
         w = self.window_len
         return self.window_keys[:, :, :w], self.window_values[:, :, :w], self.window_gates[:, :, :w]
 
+    _TENSORS = ("keys", "values", "radii", "window_keys", "window_values", "window_gates")
+
     # ---- memory ------------------------------------------------------------------------------
-    def _tensors(self):
-        return [self.keys, self.values, self.radii, self.window_keys, self.window_values, self.window_gates]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated by the state and window buffers (capacity included, readout cache excluded)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors())
-
     @property
     def nbytes_used(self) -> int:
         """Bytes of the rows and window tokens in use."""
         return sum(t.numel() * t.element_size() for t in (*self.rows(), *self.window()))
 
-    # ---- functional copies --------------------------------------------------------------------
-    def _replace(self, fn) -> "KVMState":
-        out = copy.copy(self)
-        for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
-            setattr(out, name, fn(getattr(self, name)))
-        out.extras = {k: fn(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in self.extras.items()}
-        out._readout, out._owned = None, False
-        return out
-
-    def clone(self) -> "KVMState":
-        return self._replace(lambda t: t.clone())
-
-    def detach(self) -> "KVMState":
-        """A copy cut from the autograd graph (truncated backpropagation through time)."""
-        return self._replace(lambda t: t.detach())
+    # ---- copies (clone, detach, index_select, reorder_ come from BatchedState) ----------------
+    def _reset_caches(self) -> None:
+        self._readout, self._owned = None, False
 
     def to(self, *args, **kwargs) -> "KVMState":
         """Like ``Tensor.to``: move or cast every buffer (``state.to('cuda')``, ``state.to(torch.float64)``)."""
         return self._replace(lambda t: t.to(*args, **kwargs))
-
-    def index_select(self, batch_index: Tensor) -> "KVMState":
-        """Select / reorder sequences of the batch (beam search): ``batch_index`` is ``[B']`` long."""
-        batch_index = torch.as_tensor(batch_index, device=self.device, dtype=torch.long)
-        return self._replace(lambda t: t.index_select(0, batch_index.to(t.device)) if t.dim() > 0 else t)
-
-    def reorder_(self, batch_index: Tensor) -> "KVMState":
-        """In-place version of :meth:`index_select` (the object is kept, buffers are replaced)."""
-        new = self.index_select(batch_index)
-        for f in fields(self):
-            setattr(self, f.name, getattr(new, f.name))
-        return self
 
     def __repr__(self) -> str:
         B, Hkv, _, D = self.keys.shape
