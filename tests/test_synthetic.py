@@ -1,0 +1,196 @@
+"""Synthetic recall tasks: determinism, exact layouts, oracle accuracy and a tiny end-to-end run."""
+import pytest
+import torch
+from torch import nn
+
+from kvmeans.eval.synthetic import (KEY, NUM_DIGITS, NUM_SPECIAL, SEP, VAL, accuracy_by_depth, accuracy_grid,
+                                    mqar_batch, passkey_batch, passkey_needle_len, plot_heatmap, recall_accuracy)
+
+
+# ---------------------------------------------------------------- determinism
+def test_mqar_deterministic():
+    a = mqar_batch(4, 40, 5, 32, seed=7)
+    b = mqar_batch(4, 40, 5, 32, seed=7)
+    c = mqar_batch(4, 40, 5, 32, seed=8)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_passkey_deterministic():
+    a = passkey_batch(4, 50, seed=3)
+    b = passkey_batch(4, 50, seed=3)
+    c = passkey_batch(4, 50, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+
+
+def test_golden_samples():
+    x, y = mqar_batch(2, 24, 4, 20, seed=0)
+    assert x[0, :10].tolist() == [6, 12, 7, 16, 8, 14, 10, 13, 15, 12]
+    assert x[0, 15:].tolist() == [1, 10, 13, 6, 12, 7, 16, 8, 14]
+    x, y, d = passkey_batch(2, 24, seed=0, depth=0.5, vocab_size=32)
+    assert x[0].tolist() == [31, 16, 20, 17, 24, 2, 22, 23, 3, 7, 13, 11, 16, 14, 14, 28, 17,
+                             2, 22, 23, 3, 7, 13, 11]
+    assert y[0, 20:23].tolist() == [7, 13, 11]
+
+
+# ---------------------------------------------------------------- MQAR layout
+@pytest.mark.parametrize("T,P,V,Q", [(24, 4, 20, None), (64, 8, 40, 3), (33, 3, 16, 6), (17, 4, 12, 4)])
+def test_mqar_layout(T, P, V, Q):
+    B = 5
+    x, y = mqar_batch(B, T, P, V, seed=1, num_queries=Q)
+    Q = P if Q is None else Q
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.long
+    n = (V - NUM_SPECIAL) // 2
+    q0 = T - 2 * Q
+    for b in range(B):
+        keys, vals = x[b, 0:2 * P:2].tolist(), x[b, 1:2 * P:2].tolist()
+        assert len(set(keys)) == P and all(NUM_SPECIAL <= k < NUM_SPECIAL + n for k in keys)
+        assert all(NUM_SPECIAL + n <= v < NUM_SPECIAL + 2 * n for v in vals)
+        fill = x[b, 2 * P:q0 - 1]
+        assert ((fill >= NUM_SPECIAL + n) & (fill < NUM_SPECIAL + 2 * n)).all()   # filler never a key
+        assert x[b, q0 - 1] == SEP and (x[b] == SEP).sum() == 1
+        kv = dict(zip(keys, vals))
+        qs = x[b, q0::2].tolist()
+        if Q <= P:
+            assert len(set(qs)) == Q
+        for i, k in enumerate(qs):
+            assert k in kv and x[b, q0 + 2 * i + 1] == kv[k] and y[b, q0 + 2 * i] == kv[k]
+        mask = y[b] != -100
+        assert mask.sum() == Q and mask[q0::2].all()
+
+
+def test_mqar_budget_asserts():
+    with pytest.raises(AssertionError):
+        mqar_batch(1, 16, 4, 20, seed=0)                # 2*4 + 1 + 2*4 = 17 > 16
+    with pytest.raises(AssertionError):
+        mqar_batch(1, 64, 9, 20, seed=0)                # only 8 keys
+
+
+# ---------------------------------------------------------------- passkey layout
+@pytest.mark.parametrize("T,K,D", [(24, 2, 3), (50, 1, 2), (101, 3, 4), (14, 2, 3)])
+def test_passkey_layout_and_depth(T, K, D):
+    depths = [0.0, 0.25, 0.5, 1 / 3, 0.9, 1.0]
+    B = len(depths)
+    x, y, d = passkey_batch(B, T, seed=2, depth=depths, vocab_size=40, key_len=K, answer_len=D)
+    N = passkey_needle_len(K, D)
+    assert N == 2 + K + D and x.shape == y.shape == (B, T) and d.shape == (B,)
+    F = T - 2 * N
+    lo = NUM_SPECIAL + NUM_DIGITS
+    for b in range(B):
+        s = round(depths[b] * F)
+        kpos = (x[b] == KEY).nonzero().flatten().tolist()
+        assert kpos == [s, T - N]                      # needle start exact to the token; query at the end
+        assert (x[b] == VAL).nonzero().flatten().tolist() == [s + 1 + K, T - N + 1 + K]
+        needle, query = x[b, s:s + N], x[b, T - N:]
+        assert torch.equal(needle, query)
+        digits = needle[2 + K:]
+        assert ((digits >= NUM_SPECIAL) & (digits < lo)).all()
+        rest = torch.cat([x[b, :s], x[b, s + N:T - N]])
+        assert rest.numel() == F and ((rest >= lo) & (rest < 40)).all()
+        assert ((needle[1:1 + K] >= lo) & (needle[1:1 + K] < 40)).all()
+        mask = y[b] != -100
+        assert mask.nonzero().flatten().tolist() == list(range(T - D - 1, T - 1))
+        assert torch.equal(y[b, mask], digits)
+        assert torch.equal(y[b, mask], x[b, T - D:])     # pre-shifted: target[t] == x[t + 1]
+    assert torch.allclose(d, torch.tensor(depths))
+
+
+def test_passkey_random_depth_and_budget():
+    x, y, d = passkey_batch(16, 60, seed=5)
+    assert ((d >= 0) & (d <= 1)).all() and d.unique().numel() > 1
+    assert x.shape == (16, 60)
+    with pytest.raises(AssertionError):
+        passkey_batch(1, 13, seed=0)                   # needle 7 tokens, twice = 14 > 13
+    with pytest.raises(AssertionError):
+        passkey_batch(1, 30, seed=0, depth=1.5)
+
+
+# ---------------------------------------------------------------- accuracy
+class MQAROracle(nn.Module):
+    """Predicts the token that followed the first earlier occurrence of the current token."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, x):
+        B, T = x.shape
+        logits = torch.zeros(B, T, self.vocab)
+        for b in range(B):
+            for t in range(T):
+                prev = (x[b, :t] == x[b, t]).nonzero()
+                if len(prev):
+                    logits[b, t, x[b, prev[0, 0] + 1]] = 10.0
+        return logits, None
+
+
+class PasskeyOracle(nn.Module):
+    """Copies from the needle (first KEY) with the query's offset (query = last needle-length tokens)."""
+
+    def __init__(self, vocab, n):
+        super().__init__()
+        self.vocab, self.n = vocab, n
+
+    def forward(self, x):
+        B, T = x.shape
+        logits = torch.randn(B, T, self.vocab)
+        for b in range(B):
+            s = int((x[b] == KEY).nonzero()[0, 0])
+            for t in range(T - self.n, T - 1):
+                logits[b, t, x[b, s + t - (T - self.n) + 1]] = 100.0
+        return logits, None
+
+
+class RandomModel(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.g = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        return torch.randn(*x.shape, self.vocab, generator=self.g)
+
+
+def test_oracle_and_chance():
+    V = 32
+    x, y = mqar_batch(16, 48, 6, V, seed=11)
+    assert recall_accuracy(MQAROracle(V), x, y, batch_size=5) == 1.0
+    assert recall_accuracy(RandomModel(V), x, y) < 0.15           # chance = 1/32
+    x, y, _ = passkey_batch(16, 48, seed=11, vocab_size=V)
+    assert recall_accuracy(PasskeyOracle(V, passkey_needle_len()), x, y, batch_size=3) == 1.0
+    x, y, _ = passkey_batch(200, 48, seed=12, vocab_size=V)
+    acc = recall_accuracy(RandomModel(V), x, y)
+    assert 0.0 < acc < 0.1                                         # 600 tokens, chance 1/32
+
+
+def test_oracle_by_depth_and_grid():
+    V = 32
+    oracle = PasskeyOracle(V, passkey_needle_len())
+    by = accuracy_by_depth(oracle, 40, [0.0, 0.5, 1.0], samples=4, seed=0, vocab_size=V)
+    assert by == {0.0: 1.0, 0.5: 1.0, 1.0: 1.0}
+    grid = accuracy_grid(RandomModel(V), [32, 48], [0.0, 1.0], samples=8, seed=0, vocab_size=V)
+    assert set(grid) == {32, 48} and all(set(r) == {0.0, 1.0} for r in grid.values())
+    assert all(a < 0.5 for r in grid.values() for a in r.values())
+
+
+# ---------------------------------------------------------------- end to end
+def test_tiny_model_end_to_end(tmp_path):
+    from kvmeans.models import KVMLanguageModel, KVMModelConfig
+    torch.manual_seed(0)
+    cfg = KVMModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, mixer="kvm", chunk_len=16,
+                         budget={"kind": "fixed", "n": 16})
+    model = KVMLanguageModel(cfg).train()
+    x, y = mqar_batch(4, 48, 4, 64, seed=0)
+    acc = recall_accuracy(model, x, y)
+    assert 0.0 <= acc <= 1.0 and model.training                   # train mode restored
+    loss = model.loss(x, y)
+    assert torch.isfinite(loss)
+    grid = accuracy_grid(model, [32, 64], [0.0, 1.0], samples=4, seed=0)   # vocab from model.config
+    assert list(grid) == [32, 64]
+    assert all(0.0 <= a <= 1.0 for r in grid.values() for a in r.values())
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sub" / "heat.png"
+    assert plot_heatmap(grid, out) == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in out.parent.iterdir()] == ["heat.png"]  # no temp file left behind
