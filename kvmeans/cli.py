@@ -18,16 +18,8 @@ def _bench(argv: List[str]) -> int:
 
 
 def _demo(argv: List[str]) -> int:
-    """Until the training/eval demo lands: the operator benchmark on small sizes."""
-    p = argparse.ArgumentParser(prog="kvmeans demo", description="KVM vs full attention on this machine, small sizes")
-    p.add_argument("--out", help="output folder (default bench-results/ops-<timestamp>)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    a = p.parse_args(argv)
-    from .bench.ops import run
-    args = ["--lengths", "1024", "4096", "16384", "--repeats", "1", "--decode-steps", "32", "--device", a.device]
-    result = run(args + (["--out", a.out] if a.out else []))
-    print(f"\nKVM keeps a bounded state while full attention's KV cache grows with T; files in {result.out_dir}")
-    return 0
+    from .demo import main
+    return main(argv)
 
 
 def _need_hf(cmd: str) -> bool:
@@ -162,7 +154,7 @@ def _data(argv: List[str]) -> int:
 
 
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
-    "demo": ("KVM vs full attention on small sizes (the README's first command)", _demo),
+    "demo": ("train tiny KVM fixed / KVM sqrt / BSWA / full models on passkey recall; recall and memory vs length", _demo),
     "bench": ("benchmarks: `kvmeans bench ops` (KVM vs SDPA: prefill, backward, decode, memory)", _bench),
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
