@@ -69,6 +69,16 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, causal
                                           is_causal=causal, scale=scale)
 
 
+def _begin(layer, x: Tensor, state: Optional[KVCacheState], v_first: Optional[Tensor], capacity: int):
+    """Shared start of a baseline forward: check the state's batch, prepare q/k/v, make an empty cache."""
+    if state is not None:
+        state.check_batch(x.shape[0], type(layer).__name__)
+    q, k, v, _, extras = layer._prepare(x, state, None, v_first)
+    if state is None:
+        state = empty_kv_state(q.shape[0], k.shape[1], k.shape[3], v.shape[3], like=k, capacity=capacity)
+    return q, k, v, extras, state
+
+
 class FullAttention(GPTAlphaAttention):
     """Causal softmax attention over all past tokens (GPTAlpha-2 baseline).
 
@@ -77,12 +87,8 @@ class FullAttention(GPTAlphaAttention):
 
     def forward(self, x: Tensor, state: Optional[KVCacheState] = None, v_first: Optional[Tensor] = None):
         """``x [B, T, hidden]`` -> ``(y [B, T, hidden], state)``; ``v_first [B, T, Hkv*Dv]`` or None."""
-        if state is not None:
-            state.check_batch(x.shape[0], type(self).__name__)
-        q, k, v, _, extras = self._prepare(x, state, None, v_first)
+        q, k, v, extras, state = _begin(self, x, state, v_first, capacity=0)
         B, _, T, _ = q.shape
-        if state is None:
-            state = empty_kv_state(B, k.shape[1], k.shape[3], v.shape[3], like=k)
         n = state.length
         k_all, v_all = self._append(state, k, v)
         if n == 0:
@@ -127,12 +133,8 @@ class _BandedAttention(GPTAlphaAttention):
 
     def forward(self, x: Tensor, state: Optional[KVCacheState] = None, v_first: Optional[Tensor] = None):
         """``x [B, T, hidden]`` -> ``(y [B, T, hidden], state)``; ``v_first [B, T, Hkv*Dv]`` or None."""
-        if state is not None:
-            state.check_batch(x.shape[0], type(self).__name__)
-        q, k, v, _, extras = self._prepare(x, state, None, v_first)
+        q, k, v, extras, state = _begin(self, x, state, v_first, capacity=self.capacity)
         B, _, T, _ = q.shape
-        if state is None:
-            state = empty_kv_state(B, k.shape[1], k.shape[3], v.shape[3], like=k, capacity=self.capacity)
         past_k, past_v = state.rows()
         k_all, v_all = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
         seen, n_sinks, run_start = state.seen_tokens, state.n_sinks, state.run_start
