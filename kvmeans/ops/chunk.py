@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
+from .routing import memory_keys, readout, token_streams
 from .schedule import bswa_begin, coverage_after, plan_updates
 from .recurrent import _readout_cached, absorb, own_buffers
 from .state import KVMState
@@ -72,8 +72,8 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
     kbar = memory_keys(kk[:, :, enter], state.rope_dim, *ln)
-    routes = _route(state, kbar.detach(), vv[:, :, enter].detach(), gg[:, :, enter].detach(), budget, ln, t1,
-                    gate_keys, gate_values, gate_appends)
+    routes = _route(state, kk[:, :, enter].detach(), vv[:, :, enter].detach(), gg[:, :, enter].detach(), budget,
+                    ln, t1, gate_keys, gate_values, gate_appends)
     dk, dv, rad = token_streams(kbar, vv[:, :, enter], gg[:, :, enter], routes.ungated, gate_keys=gate_keys,
                                 gate_values=gate_values, gate_appends=False)
     dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
@@ -284,41 +284,28 @@ def _scatter_tokens(base: Tensor, dest: Tensor, contrib: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _route(state, kbar, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends) -> _Routes:
-    """Run the state recurrence once without gradients; record where each token went.
+def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends) -> _Routes:
+    """Run the state recurrence once without gradients (the recurrent path's :func:`absorb` on a
+    detached copy); record where each token went.
 
-    ``kbar, vv, gg`` hold the tokens entering the state, ``[state.coverage, coverage_after(t1))``."""
-    C, n, w0 = state.chunk_len, state.n_bswa_chunks, state.coverage       # w0: position of local token 0
-    B, Hkv, N, _ = kbar.shape
-    m, cov = state.num_rows, state.coverage
-    fill = max(0, min(t1, C) - cov)
-    steps = plan_updates(budget, cov + fill, m + fill, t1, C, n)
-    K, V, R = (_pad_rows(t.detach(), steps[-1].rows_after if steps else m + fill).clone() for t in state.rows())
-    dest = torch.full((B, Hkv, N), -1, dtype=torch.long, device=kbar.device)
-    created = torch.zeros(B, Hkv, N, dtype=torch.bool, device=kbar.device)
+    ``kk, vv, gg`` hold the raw tokens entering the state, ``[state.coverage, coverage_after(t1))``."""
+    B, Hkv, N, _ = kk.shape
+    scratch = state.detach()
+    own_buffers(scratch)
+    records = absorb(scratch, kk, vv, gg, state.coverage, t1, budget, ln, gate_keys, gate_values, gate_appends)
+    dest = torch.full((B, Hkv, N), -1, dtype=torch.long, device=kk.device)
+    created = torch.zeros(B, Hkv, N, dtype=torch.bool, device=kk.device)
     ungated = created.clone()
-    if fill:                                          # the first chunk is copied into the state
-        loc = slice(cov - w0, cov + fill - w0)
-        K[:, :, m:m + fill] = kbar[:, :, loc]
-        V[:, :, m:m + fill] = vv[:, :, loc]
-        R[:, :, m:m + fill] = vv[:, :, loc].norm(dim=-1) if state.value_radius else 1
-        dest[:, :, loc] = torch.arange(m, m + fill, device=kbar.device)
-        created[:, :, loc] = ungated[:, :, loc] = True
-        m, cov = m + fill, cov + fill
-    everyone = torch.ones(B, Hkv, C, dtype=torch.bool, device=kbar.device)
-    for step in steps:
-        loc = slice(step.start - w0, step.start + C - w0)
-        sel, vb, gb = kbar[:, :, loc], vv[:, :, loc], gg[:, :, loc]
-        ak, _, _ = token_streams(sel, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
-                                 gate_appends=gate_appends)
-        d, app = route_overflow(state_layer_norm(K[:, :, :m], *ln), sel, state_layer_norm(ak, *ln), step.n_append,
-                                state.sink_len)
-        dk, dv, rad = token_streams(sel, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
-                                    gate_appends=gate_appends)
-        K.scatter_add_(2, d.unsqueeze(-1).expand_as(dk), dk)
-        V.scatter_add_(2, d.unsqueeze(-1).expand_as(dv), dv)
-        R.scatter_add_(2, d, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
-        dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
-        m, cov = step.rows_after, step.start + C
+    rows = state.num_rows
+    for start, n, d, app in records:
+        loc = slice(start - state.coverage, start - state.coverage + n)
+        if d is None:                                 # the initial copy: rows in token order, ungated
+            dest[:, :, loc] = torch.arange(rows, rows + n, device=kk.device)
+            created[:, :, loc] = ungated[:, :, loc] = True
+            rows += n
+        else:
+            dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
+    K, V, R = (t.clone() for t in scratch.rows())
+    cov = scratch.coverage
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
     return _Routes(dest, created, ungated, rows_at, K, V, R, cov)

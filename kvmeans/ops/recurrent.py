@@ -81,11 +81,16 @@ def _reserve_rows(state: KVMState, rows: int) -> None:
 
 
 def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin: int, total: int, budget, ln,
-           gate_keys=True, gate_values=True, gate_appends=False) -> None:
+           gate_keys=True, gate_values=True, gate_appends=False) -> list:
     """Bring the state rows up to date for a sequence of ``total`` tokens, in place: copy the first
     chunk, then absorb every block that has left the window. Token ``p`` is read from
-    ``keys/values/gates[:, :, p - origin]`` (``[B, Hkv, N, D]``, ``[B, Hkv, N, Dv]``, ``[B, Hkv, N]``)."""
-    C, cov = state.chunk_len, state.coverage
+    ``keys/values/gates[:, :, p - origin]`` (``[B, Hkv, N, D]``, ``[B, Hkv, N, Dv]``, ``[B, Hkv, N]``).
+
+    Returns what happened, ``[(start, n_tokens, dest, appended)]``: ``dest [B, Hkv, n]`` rows the tokens
+    joined and ``appended [B, Hkv, n]`` which created them (both None for the initial copy, whose
+    tokens become rows ``rows_before, ...`` in order).
+    """
+    C, cov, records = state.chunk_len, state.coverage, []
     fill = min(total, C) - cov
     if fill > 0:                                     # the first chunk is copied: rows k_bar, v, |v|
         _reserve_rows(state, state.num_rows + fill)
@@ -95,14 +100,18 @@ def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin:
         state.values[:, :, m:m + fill] = vals
         state.radii[:, :, m:m + fill] = vals.norm(dim=-1) if state.value_radius else 1
         state.num_rows, state.coverage, state._readout = m + fill, cov + fill, None
+        records.append((cov, fill, None, None))
     for step in plan_updates(budget, state.coverage, state.num_rows, total, C, state.n_bswa_chunks):
         loc = slice(step.start - origin, step.start + C - origin)
-        _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys, gate_values,
-                gate_appends)
+        dest, app = _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys,
+                            gate_values, gate_appends)
+        records.append((step.start, C, dest, app))
+    return records
 
 
-def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends) -> None:
-    """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state."""
+def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends):
+    """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state;
+    returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``."""
     kbar = memory_keys(kb, state.rope_dim, *ln)
     everyone = torch.ones_like(gb, dtype=torch.bool)
     ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
@@ -117,6 +126,7 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
     state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
     state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
     state.num_rows, state.coverage, state._readout = m1, step.start + state.chunk_len, None
+    return dest, app
 
 
 def _readout_cached(state: KVMState, ln):
@@ -131,7 +141,7 @@ def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp,
     """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``."""
     B, H, t, D = q.shape
     Hkv = state.keys.shape[1]
-    rep, w = H // Hkv, state.window_len
+    rep = H // Hkv
     group = lambda x: x.reshape(B, Hkv, rep * t, x.shape[-1])          # query heads of one kv head together
     wk, wv, _ = state.window()
     scores = group(q * (bswa_temp * scale).view(1, H, 1, 1)) @ wk.transpose(-1, -2)   # [B, Hkv, rep*t, w]
