@@ -137,6 +137,11 @@ def _convert(argv: List[str]) -> int:
     return 0
 
 
+def _eval(argv: List[str]) -> int:
+    from .eval.cli import main
+    return main(argv)
+
+
 def _train(argv: List[str]) -> int:
     from .train.cli import main
     return main(argv)
@@ -159,6 +164,7 @@ COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
     "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
+    "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory --model DIR ...`", _eval),
     "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
 }
 
