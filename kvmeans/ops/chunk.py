@@ -48,11 +48,12 @@ class _Routes:
 
 def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
                         state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
-                        gate_appends=False, checkpoint_groups="auto", group_bytes=GROUP_BYTES):
+                        gate_appends=False, checkpoint_groups="auto", group_bytes=GROUP_BYTES, attn="torch"):
     """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`; returns ``(y, new_state)``.
 
     ``checkpoint_groups``: True / False / "auto" (by estimated saved bytes); ``group_bytes`` bounds
-    the size of one batched attention call.
+    the size of one batched attention call. ``attn``: "torch" (SDPA with a mask) or "triton" (the fused
+    kernel of :mod:`kvmeans.ops.triton.attention`: no window copy per chunk, no repeated GQA keys).
     """
     C, n = state.chunk_len, state.n_bswa_chunks
     ln = (state_norm_weight, state_norm_bias, state_norm_eps)
@@ -67,7 +68,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))):
         return _prefill_no_grad(q, kk, vv, gg, state, budget=budget, ln=ln, state_temp=state_temp,
                                 bswa_temp=bswa_temp, scale=scale, group_bytes=group_bytes,
-                                gates=(gate_keys, gate_values, gate_appends))
+                                gates=(gate_keys, gate_values, gate_appends), attn=attn)
     # tokens entering the state in this call: [cov0, cov1), a contiguous range
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
@@ -91,13 +92,17 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
             q.shape[0] * q.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size() * 2
         checkpoint_groups = needs_grad and saved > CHECKPOINT_BYTES
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
-               ln_eps=state_norm_eps)
+               ln_eps=state_norm_eps, attn=attn)
     # Split every operand once into per-group pieces (split's backward is a cat; slicing the full
     # tensors per group would allocate a zero gradient of full size per group)
     sizes = [cb - ca for ca, cb in groups]
     q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
     win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
-    kw_parts, vw_parts = win(kk), win(vv)
+    if attn == "triton":    # the kernel indexes window keys by position: one slice per group, no unfold copy
+        span = [slice(max(0, (ca + 1 - n) * C - w0), min(cb * C, t1) - w0) for ca, cb in groups]
+        kw_parts, vw_parts = [kk[:, :, s] for s in span], [vv[:, :, s] for s in span]
+    else:
+        kw_parts, vw_parts = win(kk), win(vv)
     arrival = torch.arange(cov0, cov1, device=q.device) // C + n    # first query chunk that sees each entering token
     bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
     cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
@@ -128,7 +133,8 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
 
 
 @torch.no_grad()
-def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, bswa_temp, scale, group_bytes, gates):
+def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, bswa_temp, scale, group_bytes, gates,
+                     attn="torch"):
     """Inference prefill: advance ``state`` in place chunk by chunk (the recurrent path's buffers and
     cached readout, one LN_s per state version shared by routing and attention) while attending all
     chunks of a group in one SDPA call. ``kk, vv, gg`` hold tokens ``[window_start, t1)``."""
@@ -145,21 +151,33 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
     q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
     win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
     temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
+    tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
     outs = []
-    for (ca, cb), qg, kw, vw in zip(groups, q_parts, win(kk), win(vv)):
+    for (ca, cb), qg, kw, vw in zip(groups, q_parts, *((kk, vv) if tri else (win(kk), win(vv)))):
         M = rows_at[cb - 1]
-        keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
+        if tri:
+            keys, values = (q.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
+        else:
+            keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
         for g, c in enumerate(range(ca, cb) if M else ()):
             m = 0
             if c >= n:      # bring the state to what chunk c sees, then read it out once
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates)
                 k_hat, v_hat = _readout_cached(state, ln)
                 m = state.num_rows
-                torch.mul(k_hat.unsqueeze(2), temp, out=keys[:, g, :, :, :m])   # written once, no temporary
+                if tri:
+                    keys[:, g, :, 0, :m] = k_hat
+                else:
+                    torch.mul(k_hat.unsqueeze(2), temp, out=keys[:, g, :, :, :m])   # written once, no temporary
                 values[:, g, :, :, :m] = v_hat.unsqueeze(2)
             keys[:, g, :, :, m:M] = 0                   # hidden by the mask, but must be finite
             values[:, g, :, :, m:M] = 0
-        outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
+        if tri:
+            outs.append(_triton_group(ca, cb, qg, keys.squeeze(3) if M else None, values.squeeze(3) if M else None,
+                                      kk, vv, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at,
+                                      scale=scale))
+        else:
+            outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
     y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
     absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates)          # the lazy final coverage
     ws, wl = bswa_begin(t1, C, n) - w0, t1 - bswa_begin(t1, C, n)
@@ -171,15 +189,22 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
 
 
 def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
-                  ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps):
+                  ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps, attn="torch"):
     """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
 
     ``q [B, H, G*C, D]`` their queries; ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (W = n*C);
     ``base_*`` the state sums before the group; ``dk, dv, dr`` the tokens arriving inside it.
+    With ``attn="triton"``, ``kw, vw [B, Hkv, N, D|Dv]`` hold the tokens from ``max(w0, (ca+1-n)*C)`` on.
     """
     B, Hkv, G = q.shape[0], kw.shape[1], cb - ca
     M = rows_at[cb - 1]
-    keys, values = _group_operands(q, kw, vw, bswa_temp, M)
+    tri = attn == "triton"
+    tri_args = (kw, vw, max(w0, (ca + 1 - n) * C), state_temp, bswa_temp)
+    tri_geo = dict(C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale)
+    if tri and not M:
+        return _triton_group(ca, cb, q, None, None, *tri_args, **tri_geo)
+    if not tri:
+        keys, values = _group_operands(q, kw, vw, bswa_temp, M)
     if M:
         snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
         heads = torch.arange(Hkv, device=q.device).view(Hkv, 1)
@@ -189,9 +214,20 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
             snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
         k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)                # [B,G,Hkv,M,D]
+        if tri:
+            return _triton_group(ca, cb, q, k_hat, v_hat, *tri_args, **tri_geo)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
     return _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)
+
+
+def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_temp, *, C, n, t0, t1, rows_at, scale):
+    """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, G*C, D]`` from position ``ca*C``,
+    snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``."""
+    from .triton.attention import chunk_attention
+    rows = None if k_hat is None else torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device)
+    return chunk_attention(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=ca * C, q_lo=max(ca * C, t0),
+                           q_hi=min(cb * C, t1), k_start=k_start, chunk_len=C, n_bswa_chunks=n, scale=scale)
 
 
 def _group_operands(q, kw, vw, bswa_temp, M):

@@ -10,7 +10,7 @@ from torch import Tensor
 from .budget import BudgetLike, StateBudget, as_budget
 from .state import KVMState
 
-BACKENDS = ("auto", "naive", "chunked", "recurrent")
+BACKENDS = ("auto", "naive", "chunked", "recurrent", "triton")
 
 
 def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None, *, chunk_len: int = 256,
@@ -43,7 +43,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         gate_keys, gate_values: multiply merged keys / values by the gate.
         gate_appends: also gate the rows created by appends (the authors' ``kvm_apply_merge_gate_to_appends``).
         backend: ``"auto"`` | ``"naive"`` (the spec) | ``"chunked"`` (prefill/training) | ``"recurrent"``
-            (no-grad continuation / decode). All give the same result.
+            (no-grad continuation / decode) | ``"triton"`` (the chunked / recurrent paths with the fused Triton
+            attention and decode kernels; CUDA, float32 / half compute). ``"auto"`` picks Triton when q is on CUDA
+            and Triton is installed, the torch paths otherwise. All give the same result.
     Returns:
         ``y [B, H, T, Dv]`` in q's dtype, or ``(y, state)`` with ``return_state=True``.
     """
@@ -79,12 +81,22 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                   gate_values=gate_values, gate_appends=gate_appends)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
+    attn = "torch"      # attention kernels of the chunked / recurrent paths
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from .triton import unavailable_reason    # cheap: does not import triton
+        why = unavailable_reason(q.device, compute)
+        if why is None:
+            attn, backend = "triton", "auto"
+        elif backend == "triton":
+            raise ValueError(f"backend='triton' cannot run here: {why}")
     if backend == "auto":
         backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
     if backend == "recurrent" and needs_grad:
         raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
                          "backend='chunked' or call it under torch.no_grad()")
     args = [t.to(compute) for t in (q, k, v, gate)]
+    if attn == "triton":
+        kwargs["attn"] = attn
     if backend == "naive":
         from .naive import naive_kvm_attention as impl
     elif backend == "chunked":

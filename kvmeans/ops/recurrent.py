@@ -21,9 +21,9 @@ from .state import KVMState
 @torch.no_grad()
 def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
                             state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
-                            gate_appends=False):
+                            gate_appends=False, attn="torch"):
     """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`, but advances ``state`` in place
-    and returns ``(y, state)``."""
+    and returns ``(y, state)``. ``attn="triton"``: the attention of each step runs the Triton decode kernel."""
     C, n = state.chunk_len, state.n_bswa_chunks
     ln = (state_norm_weight, state_norm_bias, state_norm_eps)
     own_buffers(state)
@@ -45,7 +45,10 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
             for buf in (state.window_keys, state.window_values, state.window_gates):
                 buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
         state.seen_tokens = e
-        outs.append(_attend(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
+        if attn == "triton":
+            outs.append(_attend_triton(state, q[:, :, new], ln, state_temp, bswa_temp, scale))
+        else:
+            outs.append(_attend(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
         pos = e
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
@@ -157,3 +160,16 @@ def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp,
     m = k_hat.shape[2]
     y = p[..., :m] @ v_hat + p[..., m:] @ wv                           # [B, Hkv, rep*t, Dv]; no copy of the state
     return y.view(B, H, t, -1)
+
+
+def _attend_triton(state: KVMState, q: Tensor, ln, state_temp, bswa_temp, scale) -> Tensor:
+    """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens)."""
+    from .triton.decode import decode_attention
+    k_hat = v_hat = None
+    rows = 0
+    if state.window_start > 0:
+        k_hat, v_hat = _readout_cached(state, ln)
+        rows = state.num_rows
+    lengths = torch.tensor([rows, state.window_len], dtype=torch.int32, device=q.device)
+    return decode_attention(q, k_hat, v_hat, state.window_keys, state.window_values, lengths, state_temp, bswa_temp,
+                            scale)
