@@ -318,3 +318,48 @@ def test_gpu_prefill_and_decode_match_torch_path(case):
                 ys.append(y)
             outs.append((torch.cat(ys, 2), state, {}))
     compare(*outs, tol=2e-4)
+
+
+# ---- state-update kernels and the route-agreement measurement -----------------------------------
+def test_route_scores_and_route_overflow_match_torch_routing():
+    from kvmeans.ops.routing import route_overflow
+    from kvmeans.ops.triton.update import route_overflow_triton, route_scores
+    g = torch.Generator().manual_seed(5)
+    B, Hkv, C, D, m = 2, 2, 8, 16, 21
+    r = lambda *s: torch.randn(*s, generator=g).to(DEV)
+    rows_hat, sel, app = r(B, Hkv, m, D), r(B, Hkv, C, D), r(B, Hkv, C, D)
+    rows_hat[:, :, 7] = rows_hat[:, :, 12]                  # exact duplicate rows: ties go to the lower index
+    best, target, novel = route_scores(sel, rows_hat, 2)
+    logits = sel @ rows_hat.transpose(-1, -2)
+    assert torch.equal(target, logits[..., 2:].argmax(-1) + 2)
+    assert_close("best", logits[..., 2:].amax(-1), best, 1e-6)
+    assert_close("novelty", logits.amax(-1), novel, 1e-6)
+    assert not (target == 12).any()
+    for n_append, sink in ((0, 1), (3, 0), (3, 2), (8, 1)):
+        d0, a0 = route_overflow(rows_hat, sel, app, n_append, sink)
+        d1, a1 = route_overflow_triton(rows_hat, sel, app, n_append, sink)
+        assert torch.equal(a0, a1) and torch.equal(d0, d1), (n_append, sink)
+
+
+def test_scatter_add_rows_accumulates_in_float32():
+    from kvmeans.ops.triton.update import scatter_add_rows
+    g = torch.Generator().manual_seed(6)
+    dst = torch.randn(2, 3, 10, 12, generator=g).to(DEV)
+    dest = torch.randint(0, 10, (2, 3, 37), generator=g).to(DEV)
+    src = torch.randn(2, 3, 37, 12, generator=g).to(DEV)
+    ref = dst.scatter_add(2, dest.unsqueeze(-1).expand_as(src), src)
+    assert_close("scatter", ref, scatter_add_rows(dst.clone(), dest, src), 1e-6)
+    assert_close("scatter bf16 src", ref.double(), scatter_add_rows(dst.clone(), dest, src.bfloat16()).double(), 1e-2)
+
+
+def test_route_agreement_measures_flips():
+    from kvmeans.ops.triton.update import route_agreement
+    x = make_inputs(T=70, D=16, dtype=torch.float32)
+    cfg = dict(chunk_len=8, n_bswa_chunks=2, sink_len=1, rope_dim=4, budget=StateBudget.fixed(12))
+    same = route_agreement(x["k"], x["v"], x["gate"], x["k"], x["v"], x["gate"], **cfg)
+    assert same["dest"] == 1.0 and same["created"] == 1.0 and same["first_flip"] is None and same["tokens"] == 56
+    bf = lambda t: t.bfloat16().float()
+    rounded = route_agreement(x["k"], x["v"], x["gate"], bf(x["k"]), bf(x["v"]), bf(x["gate"]), **cfg)
+    assert 0.5 < rounded["dest"] <= 1.0
+    shuffled = route_agreement(x["k"], x["v"], x["gate"], x["k"].flip(2), x["v"], x["gate"], **cfg)
+    assert shuffled["dest"] < 0.9 and shuffled["first_flip"] is not None

@@ -2,6 +2,8 @@
 
 Arms: ``sdpa`` (``F.scaled_dot_product_attention``, causal, full attention; GQA via ``enable_gqa``),
 ``kvm-fixed256`` (``StateBudget.fixed(256)``) and ``kvm-sqrt16`` (``StateBudget.power_law(16, 0.5, min_len=256)``).
+The KVM arms run ``a.kvm_impl``: "auto" (the Triton kernels on CUDA when Triton is installed, the torch paths
+otherwise), "triton" or "torch".
 Tensors (``make_inputs``): ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``g [B, Hkv, T]`` (``1 + elu(randn)``),
 ``dy [B, H, T, D]``, and one-token-per-step decode inputs ``qd [B, H, S, D]``, ``kd, vd [B, Hkv, S, D]``,
 ``gd [B, Hkv, S]`` (S = ``decode_steps``). ``a`` is the parsed config of :mod:`kvmeans.bench.ops`.
@@ -44,10 +46,29 @@ def sdpa(q, k, v, causal: bool):
                                               is_causal=causal)
 
 
+def kvm_backend(a, decode_step: bool) -> str:
+    """``kvm_attention``'s backend for ``a.kvm_impl``: "auto" (Triton on CUDA when installed, torch otherwise),
+    "triton", or "torch" (the chunked path, the recurrent one for decode steps)."""
+    impl = getattr(a, "kvm_impl", "auto")
+    if impl == "torch":
+        return "recurrent" if decode_step else "chunked"
+    return impl
+
+
 def kvm(a, arm, q, k, v, g, **kw):
-    """``kvm_attention`` with the arm's budget and the geometry of ``a``."""
+    """``kvm_attention`` with the arm's budget, the geometry of ``a`` and its ``kvm_impl``."""
+    backend = kvm_backend(a, kw.get("initial_state") is not None)
     return kvm_attention(q, k, v, g, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
-                         rope_dim=a.rope_dim, budget=BUDGETS[arm], **kw)
+                         rope_dim=a.rope_dim, budget=BUDGETS[arm], backend=backend, **kw)
+
+
+def resolved_kvm_impl(a) -> str:
+    """What the KVM arms run: "triton" or "torch"."""
+    impl = getattr(a, "kvm_impl", "auto")
+    if impl != "auto":
+        return impl
+    from kvmeans.ops.triton import available
+    return "triton" if a.dev.type == "cuda" and available(a.dev, torch.float32) else "torch"
 
 
 def make_inputs(a, T: int) -> SimpleNamespace:

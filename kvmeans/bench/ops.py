@@ -15,6 +15,9 @@ Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed2
             CSV ``step_median_ms`` / ``step_max_ms`` give the steady-state and the worst step.
 Memory: KVM state rows and ``state.nbytes`` right after prefilling T tokens (``state_bytes``; the
 decode buffers with spare capacity are ``state_bytes_decode``) vs the KV cache ``2*B*Hkv*T*D*elem``.
+KVM implementation (``--kvm-impl``, CSV ``kvm_impl``): auto = the Triton kernels on CUDA when Triton is
+installed (``backend="triton"``), the torch paths otherwise; run once with ``torch`` and once with ``triton``
+to compare them. On CUDA the warm-up call also runs the kernels' autotuning.
 Warm-up: on CPU once per (arm, mode) at the first length; on CUDA once per (arm, mode, T), with
 ``torch.cuda.synchronize`` around every timed region.
 """
@@ -32,14 +35,14 @@ import torch
 
 from kvmeans.ops.schedule import rows_after
 
-from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode
+from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode, resolved_kvm_impl
 from .report import env_info, format_env, human_bytes, plot_panels, print_table, write_csv, write_json
 CPU_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 CUDA_LENGTHS = CPU_LENGTHS + [65536]
 COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
-           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps"]
+           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl"]
 
 
 @dataclass
@@ -65,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-bswa-chunks", type=int, default=2)
     p.add_argument("--rope-dim", type=int, help="default head_dim // 2")
     p.add_argument("--sink-len", type=int, default=1)
+    p.add_argument("--kvm-impl", choices=["auto", "torch", "triton"], default="auto",
+                   help="KVM arms: auto = Triton kernels on CUDA when installed, torch paths otherwise")
     p.add_argument("--lengths", type=int, nargs="+", help=f"T values (default cpu {CPU_LENGTHS}, cuda adds 65536)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, help="timed repeats per (T, mode, arm), median reported (default 3)")
@@ -93,6 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch.cuda.is_available() is False")
+    if a.kvm_impl == "triton":
+        from kvmeans.ops.triton import unavailable_reason
+        why = unavailable_reason(a.device, torch.float32)
+        if why:
+            p.error(f"--kvm-impl triton: {why}")
     if a.device == "cpu" and a.dtype != "float32":
         print(f"warning: {a.dtype} matmul has no fast path on many CPUs (can be ~100x slower than float32)",
               file=sys.stderr)
@@ -112,10 +122,11 @@ def run(argv=None) -> OpsResult:
     """Parse ``argv``, measure, print the table, write ``ops.csv``, ``ops.png`` and ``env.json`` to ``--out``."""
     a = parse_args(argv)
     a.dev = torch.device(a.device)
+    a.kvm_impl = resolved_kvm_impl(a)
     info = env_info(a.device)
     print(format_env(info))
     print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
-          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim}; repeats={a.repeats} (median), "
+          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl}; repeats={a.repeats} (median), "
           f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
     res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
     mem: Dict[tuple, Dict[str, int]] = {}        # (T, arm) -> rows / bytes
@@ -180,7 +191,7 @@ def _ms(vals, pick=statistics.median):
 def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
     cfg = dict(device=a.device, dtype=a.dtype, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                head_dim=a.head_dim, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
-               rope_dim=a.rope_dim, decode_steps=a.decode_steps)
+               rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl)
     rows = []
     for (T, mode, arm), r in res.items():
         t = _ms(r.get("time"))

@@ -85,11 +85,15 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *base, *streams))
     c_first, c_last = t0 // C, (t1 - 1) // C
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, n * C, routes.rows_at, per_row, group_bytes)
+    if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
+        per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
+    groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, routes.rows_at, per_row, group_bytes)
     if checkpoint_groups == "auto":
         # kept for backward per chunk: SDPA's keys/values over [state ; window] plus the snapshot sums (~2x)
         saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * \
             q.shape[0] * q.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size() * 2
+        if attn == "triton":    # the kernel saves q, the window and the snapshots; autograd the snapshot sums
+            saved = sum((cb - ca) * routes.rows_at[cb - 1] for ca, cb in groups) * per_row
         checkpoint_groups = needs_grad and saved > CHECKPOINT_BYTES
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
                ln_eps=state_norm_eps, attn=attn)
@@ -146,7 +150,9 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
     own_buffers(state, rows=max(rows_at + [state.num_rows]))
     c_first, c_last = t0 // C, (t1 - 1) // C
     per_row = B * H * (C + q.shape[3] + vv.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, n * C, rows_at, per_row, group_bytes)
+    if attn == "triton":    # snapshot rows per chunk only (read-out keys and values per kv head)
+        per_row = B * Hkv * (q.shape[3] + vv.shape[3]) * q.element_size()
+    groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, rows_at, per_row, group_bytes)
     sizes = [cb - ca for ca, cb in groups]
     q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
     win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)

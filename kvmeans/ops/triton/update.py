@@ -1,0 +1,180 @@
+"""State-update kernels (merge routing scores, fp32 scatter-accumulation) and a route-agreement measurement.
+
+* ``_route_scores_kernel`` [cdiv(N, BLOCK_T), B*Hkv]: for each overflow token j, over the state rows i
+  (tiles of BLOCK_N rows): ``novelty_j = max_i k̄_j·LN_s(s_i)`` (all rows, sinks included: append ranking)
+  and ``best_j, target_j = max / argmax_{i >= sink} k̄_j·LN_s(s_i)`` with the lowest row index on equal
+  scores (within a tile the smallest index attaining the max, across tiles a strictly larger max wins),
+  exactly :func:`kvmeans.ops.routing.route_overflow`'s rule.
+* :func:`route_overflow_triton`: ``route_overflow``'s contract; the two scoring passes (old rows, then the
+  rows appended in the same step) run in the kernel, the ranking of the C tokens (a stable sort) in torch.
+* ``_scatter_add_kernel`` [cdiv(N, BLOCK_T), B*Hkv]: ``dst[b, h, dest[j]] += src[b, h, j]`` with fp32
+  atomics (sums of a state row are accumulated in fp32 whatever the token dtype; the order of the atomic
+  adds is not deterministic, so results match torch's ``scatter_add`` to rounding, not bitwise).
+* :func:`route_agreement`: the share of entering tokens routed to the same row by two versions of the
+  same sequence's k / v / gate (e.g. bf16-rounded vs fp32), using the torch routing pass of the chunked
+  path: bf16 rounding can flip near-tie routes, so kernels are compared with routes pinned to the
+  reference and the agreement is reported on its own.
+
+Not wired into the recurrent / chunked routing yet: the torch routing (one matmul + argmax per overflow
+block) is what both backends run, so the Triton and torch paths route identically. See the README.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .attention import INTERPRETED, _pow2, dot_precision
+
+_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
+            for t, n, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (16, 64, 2)]]
+INTERPRET_META = {"BLOCK_T": 16, "BLOCK_N": 16}
+
+
+@triton.jit
+def _route_scores_kernel(SEL, ROWS, BEST, TARGET, NOVEL, s_sb, s_sh, s_st, s_rb, s_rh, s_rm,
+                         HKV, N, M, SINK, D, PREC: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HKV, bh % HKV
+    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < N
+    offs_d, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    dmask = offs_d < D
+    sel = tl.load(SEL + b * s_sb + h * s_sh + tok[:, None] * s_st + offs_d[None, :],
+                  mask=tmask[:, None] & dmask[None, :], other=0.0)
+    best = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    novel = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    target = tl.zeros([BLOCK_T], tl.int32)
+    for start in range(0, M, BLOCK_N):
+        rows = start + offs_n
+        rmask = rows < M
+        k = tl.load(ROWS + b * s_rb + h * s_rh + rows[:, None] * s_rm + offs_d[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        sc = tl.dot(sel, tl.trans(k), input_precision=PREC)
+        novel = tl.maximum(novel, tl.max(tl.where(rmask[None, :], sc, float("-inf")), 1))
+        cand = tl.where((rmask & (rows >= SINK))[None, :], sc, float("-inf"))
+        tmax = tl.max(cand, 1)
+        tidx = tl.min(tl.where(cand == tmax[:, None], rows[None, :], 2147483647), 1)
+        upd = tmax > best
+        best = tl.where(upd, tmax, best)
+        target = tl.where(upd, tidx, target)
+    out = b * HKV * N + h * N + tok
+    tl.store(BEST + out, best, mask=tmask)
+    tl.store(TARGET + out, target, mask=tmask)
+    tl.store(NOVEL + out, novel, mask=tmask)
+
+
+@triton.jit
+def _scatter_add_kernel(DST, DEST, SRC, s_db, s_dh, s_dm, s_sb, s_sh, s_st, HKV, N, D,
+                        BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HKV, bh % HKV
+    tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tok < N
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = tmask[:, None] & (offs_d < D)[None, :]
+    dest = tl.load(DEST + (b * HKV + h) * N + tok, mask=tmask, other=0)
+    src = tl.load(SRC + b * s_sb + h * s_sh + tok[:, None] * s_st + offs_d[None, :], mask=mask, other=0.0)
+    tl.atomic_add(DST + b * s_db + h * s_dh + dest[:, None] * s_dm + offs_d[None, :], src.to(tl.float32), mask=mask)
+
+
+_TUNED_SCORES = triton.autotune(_CONFIGS, key=["BLOCK_D"])(_route_scores_kernel)
+
+
+def route_scores(sel: Tensor, rows_hat: Tensor, sink_len: int):
+    """``(best [B,Hkv,N] fp32, target [B,Hkv,N] long, novelty [B,Hkv,N] fp32)`` of tokens ``sel [B,Hkv,N,D]``
+    against rows ``rows_hat [B,Hkv,M,D]``: merge max / argmax over rows ``>= sink_len`` (lowest index on ties),
+    novelty = max over all rows."""
+    B, Hkv, N, D = sel.shape
+    M = rows_hat.shape[2]
+    sel, rows_hat = (t if t.stride(-1) == 1 else t.contiguous() for t in (sel, rows_hat))
+    best = torch.empty(B, Hkv, N, dtype=torch.float32, device=sel.device)
+    novel = torch.empty_like(best)
+    target = torch.empty(B, Hkv, N, dtype=torch.int32, device=sel.device)
+    args = (sel, rows_hat, best, target, novel, *sel.stride()[:3], *rows_hat.stride()[:3], Hkv, N, M, sink_len, D)
+    consts = dict(PREC=dot_precision(sel.dtype), BLOCK_D=_pow2(D))
+    grid = lambda META: (triton.cdiv(N, META["BLOCK_T"]), B * Hkv)
+    if INTERPRETED:
+        _route_scores_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    else:
+        _TUNED_SCORES[grid](*args, **consts)
+    return best, target.long(), novel
+
+
+@torch.no_grad()
+def route_overflow_triton(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_append: int, sink_len: int):
+    """:func:`kvmeans.ops.routing.route_overflow` with the scoring passes in :func:`route_scores`."""
+    m, n_tok = rows_hat.shape[-2], sel.shape[-2]
+    s = min(sink_len, m)
+    best, target, novelty = route_scores(sel, rows_hat, s)
+    shape = sel.shape[:-1]
+    if n_append >= n_tok:
+        appended = torch.ones(shape, dtype=torch.bool, device=sel.device)
+    elif n_append <= 0:
+        appended = torch.zeros(shape, dtype=torch.bool, device=sel.device)
+    else:
+        order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
+        appended = torch.zeros(shape, dtype=torch.bool, device=sel.device).scatter_(-1, order, True)
+    new_rows = m + appended.cumsum(-1) - 1
+    if bool(appended.all()):
+        return new_rows, appended
+    n_new = min(max(n_append, 0), n_tok)
+    if n_new:
+        token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
+        added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
+        best_new, idx_new, _ = route_scores(sel, added, 0)
+        take_new = best_new > best if m > s else torch.ones_like(appended)
+        target = torch.where(take_new, idx_new + m, target)
+    return torch.where(appended, new_rows, target), appended
+
+
+def scatter_add_rows(dst: Tensor, dest: Tensor, src: Tensor) -> Tensor:
+    """In place ``dst[b, h, dest[b, h, j]] += src[b, h, j]`` (fp32 atomics; ``dst`` must be float32).
+    ``dst [B, Hkv, R, D]``, ``dest [B, Hkv, N]`` integer, ``src [B, Hkv, N, D]``. Returns ``dst``."""
+    if dst.dtype != torch.float32:
+        raise TypeError(f"scatter_add_rows accumulates in float32, got dst {dst.dtype}")
+    B, Hkv, N, D = src.shape
+    if dst.stride(-1) != 1 or src.stride(-1) != 1:
+        raise ValueError("dst and src need a contiguous last dimension")
+    dest = dest.to(torch.int32).contiguous()
+    block_t = 16 if INTERPRETED else 64
+    _scatter_add_kernel[(triton.cdiv(N, block_t), B * Hkv)](
+        dst, dest, src, *dst.stride()[:3], *src.stride()[:3], Hkv, N, D, BLOCK_D=_pow2(D), BLOCK_T=block_t)
+    return dst
+
+
+@torch.no_grad()
+def route_agreement(k_ref: Tensor, v_ref: Tensor, gate_ref: Tensor, k: Tensor, v: Tensor, gate: Tensor, *, chunk_len: int,
+                    n_bswa_chunks: int, sink_len: int, rope_dim: int, budget, state_norm_weight=None,
+                    state_norm_bias=None, state_norm_eps: float = 1e-5, gate_keys: bool = True,
+                    gate_values: bool = True, gate_appends: bool = False) -> dict:
+    """Route one sequence twice (``k_ref, v_ref, gate_ref`` and e.g. their bf16-rounded copies ``k, v, gate``,
+    ``[B, Hkv, T, D|Dv]`` / ``[B, Hkv, T]``, computed in float32) and compare where its entering tokens went.
+
+    Returns ``{"tokens": N, "dest": share with the same destination row, "created": share with the same
+    append/merge decision, "first_flip": index of the first entering token whose row differs (None if none)}``.
+    After a first flip the two states differ, so later disagreements are partly consequences of it.
+    """
+    from kvmeans.ops.budget import as_budget
+    from kvmeans.ops.chunk import _route
+    from kvmeans.ops.schedule import coverage_after
+    from kvmeans.ops.state import KVMState
+
+    routes = []
+    for kk, vv, gg in ((k_ref, v_ref, gate_ref), (k, v, gate)):
+        kk, vv, gg = kk.float(), vv.float(), gg.float()
+        B, Hkv, T, D = kk.shape
+        state = KVMState.empty(B, Hkv, D, vv.shape[-1], dtype=torch.float32, device=kk.device, chunk_len=chunk_len,
+                               n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim, value_radius=True)
+        n = coverage_after(T, chunk_len, n_bswa_chunks)
+        ln = (state_norm_weight, state_norm_bias, state_norm_eps)
+        routes.append(_route(state, kk[:, :, :n], vv[:, :, :n], gg[:, :, :n], as_budget(budget), ln, T, gate_keys,
+                             gate_values, gate_appends))
+    a, b = routes
+    same = a.dest == b.dest
+    flips = (~same).flatten(0, 1).any(0).nonzero()
+    return {"tokens": same.shape[-1], "dest": same.float().mean().item(),
+            "created": (a.created == b.created).float().mean().item(),
+            "first_flip": int(flips[0]) if len(flips) else None}
