@@ -1,0 +1,360 @@
+"""State growth and memory: state rows, cache bytes, prefill time and decode speed vs context length,
+against what a full-attention KV cache would take (the paper's Figure 1, measured on a model).
+
+    kvmeans eval memory --model runs/kvm/final --lengths 1024 4096 16384 --decode-tokens 32
+    kvmeans eval memory --preset kvm-120m --preset kvm-sqrt-120m --lengths 4096 32768 --device cuda
+    kvmeans eval memory --schedule --lengths 256 4096 65536 1048576        # budgets only, no model
+
+Model mode (``--model DIR`` / ``--preset NAME``, both repeatable; presets have random weights): for
+each length N a batch of ``--batch-size`` random token sequences is prefilled in one call (wall time,
+device synchronised), the cache is inspected, then ``--decode-tokens`` greedy tokens are decoded one
+at a time (tokens/s = batch x tokens / time). The numbers recorded per layer after the prefill of N
+tokens: ``nbytes`` = :meth:`ModelCache.layer_nbytes` (the mixer's buffers with their spare capacity,
+plus its token-shift row and the MLP token-shift row: exactly what ``KVMCache.nbytes`` sums);
+``used_nbytes`` (KVM layers: the rows and window tokens in use); ``state_rows`` and
+``window_tokens`` (KVM layers); ``kv_rows`` (full / SWA / BSWA layers). The full-attention
+reference is ``full_attn_kv_bytes = 2 x layers x B x Hkv x N x D x bytes(model dtype)``: keys and
+values of every layer for all N tokens at the model's KV head count and head dim, in the model's
+dtype, without token-shift rows or allocator slack (a lower bound for a real KV cache). Note that
+KVM states of bf16/fp16 models are kept in float32.
+
+Schedule mode (``--schedule``): no forward, only :func:`kvmeans.ops.schedule.rows_after` for the
+paper's budgets (fixed 256 rows, 16 sqrt(N) with min 256, saturating 1024 N / (1024 + N)) or
+``--budget`` specs, with ``--chunk-len``/``--n-bswa-chunks`` (default 256 / 2): state rows after a
+fresh sequence of N tokens, for N up to millions in a moment; full attention holds N rows.
+
+Outputs under ``--out`` (atomic): ``memory.json``, ``memory.csv`` (one row per model and length),
+``memory.png`` (state rows vs N; cache bytes vs N next to full attention; log-log) and, in schedule
+mode, ``schedule.json``, ``schedule.csv``, ``schedule.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..bench.report import format_table, human_bytes, plot_panels, write_csv, write_json
+from ..models.config import KVMModelConfig, budget_to_dict
+from ..ops.budget import StateBudget
+from ..ops.schedule import rows_after
+
+__all__ = ["PAPER_BUDGETS", "parse_budget", "schedule_curves", "measure_model", "full_attention_kv_bytes",
+           "cache_layers", "main"]
+
+PAPER_BUDGETS: Dict[str, StateBudget] = {
+    "fixed-256": StateBudget.fixed(256),
+    "16*sqrt(N)": StateBudget.power_law(16, 0.5, min_len=256),
+    "saturating-1024": StateBudget.saturating(1024, min_len=1),
+}
+
+
+# ---- schedule mode ----------------------------------------------------------------------------------
+def parse_budget(spec: str) -> Tuple[str, StateBudget]:
+    """``fixed:N``, ``sqrt:F`` (F sqrt(N), min 256), ``power:F:E[:MIN]``, ``saturating:N`` -> (label, budget)."""
+    parts = spec.split(":")
+    try:
+        kind, args = parts[0], [float(x) for x in parts[1:]]
+        if kind == "fixed" and len(args) == 1:
+            return f"fixed-{int(args[0])}", StateBudget.fixed(int(args[0]))
+        if kind == "sqrt" and len(args) == 1:
+            return f"{args[0]:g}*sqrt(N)", StateBudget.power_law(args[0], 0.5, min_len=256)
+        if kind == "power" and len(args) in (2, 3):
+            mn = int(args[2]) if len(args) == 3 else 0
+            return f"{args[0]:g}*N^{args[1]:g}", StateBudget.power_law(args[0], args[1], min_len=mn)
+        if kind == "saturating" and len(args) == 1:
+            return f"saturating-{int(args[0])}", StateBudget.saturating(int(args[0]), min_len=1)
+    except ValueError:
+        pass
+    raise ValueError(f"--budget {spec!r}: expected fixed:N, sqrt:F, power:F:E[:MIN] or saturating:N")
+
+
+def schedule_curves(lengths: Sequence[int], budgets: Optional[Dict[str, Callable[[int], int]]] = None,
+                    chunk_len: int = 256, n_bswa_chunks: int = 2) -> List[Dict[str, Any]]:
+    """Rows ``[{"budget", "N", "state_rows", "window_tokens", "full_attention_rows"}]`` from the schedule
+    alone (state rows after a fresh sequence of N tokens; the window holds the current partial chunk
+    plus n-1 full ones)."""
+    from ..ops.schedule import bswa_begin
+    budgets = PAPER_BUDGETS if budgets is None else budgets
+    out = []
+    for label, b in budgets.items():
+        for n in lengths:
+            out.append({"budget": label, "N": int(n), "state_rows": rows_after(b, int(n), chunk_len, n_bswa_chunks),
+                        "window_tokens": int(n) - bswa_begin(int(n), chunk_len, n_bswa_chunks),
+                        "full_attention_rows": int(n)})
+    return out
+
+
+# ---- model mode -------------------------------------------------------------------------------------
+def _model_config(model) -> KVMModelConfig:
+    cfg = model.config
+    return cfg.to_model_config() if hasattr(cfg, "to_model_config") else cfg
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def full_attention_kv_bytes(config: KVMModelConfig, n_tokens: int, batch: int, dtype: torch.dtype) -> int:
+    """``2 x layers x B x Hkv x N x D x bytes``: keys + values of all layers for ``n_tokens`` tokens."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * batch * config.kv_heads * n_tokens * config.qk_head_dim * item
+
+
+def cache_layers(cache) -> List[Dict[str, Any]]:
+    """Per layer of a :class:`~kvmeans.models.cache.ModelCache`: ``layer``, ``mixer``, ``nbytes``
+    (``layer_nbytes``), ``mixer_nbytes``, ``used_nbytes``, ``state_rows``, ``window_tokens``, ``kv_rows``."""
+    rows = []
+    for i, st in enumerate(cache.layers):
+        r: Dict[str, Any] = {"layer": i, "mixer": cache.mixers[i], "nbytes": int(cache.layer_nbytes(i)),
+                             "mixer_nbytes": int(st.nbytes) if st is not None else 0, "used_nbytes": None,
+                             "state_rows": None, "window_tokens": None, "kv_rows": None}
+        if st is not None and hasattr(st, "num_rows"):
+            r.update(state_rows=int(st.num_rows), window_tokens=int(st.window_len), used_nbytes=int(st.nbytes_used))
+        elif st is not None and hasattr(st, "length"):
+            r.update(kv_rows=int(st.length))
+        rows.append(r)
+    return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_model(model, lengths: Sequence[int], decode_tokens: int = 16, batch_size: int = 1,
+                  seed: int = 0, warmup: bool = True, log=print) -> List[Dict[str, Any]]:
+    """Prefill / decode measurements of ``model`` (``KVMForCausalLM`` or ``KVMLanguageModel``) at each
+    length; one dict per length (see the module docstring for the fields)."""
+    if not (hasattr(model, "transformer") and hasattr(model, "lm_head")):
+        raise TypeError(f"expected a KVMForCausalLM or KVMLanguageModel, got {type(model).__name__}")
+    cfg = _model_config(model)
+    p = next(model.parameters())
+    device, dtype = p.device, p.dtype
+    backbone, head = model.transformer, model.lm_head
+    gen = torch.Generator().manual_seed(seed)
+    if warmup:                     # first-call overheads (allocator, kernels) out of the timings
+        w = torch.randint(0, cfg.vocab_size, (batch_size, 2 * cfg.chunk_len + 1), generator=gen).to(device)
+        _, c = backbone(w, None)
+        backbone(w[:, :1], c)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (batch_size, int(n)), generator=gen).to(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        hidden, cache = backbone(ids, None)
+        nxt = head(hidden[:, -1:]).argmax(-1)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        del hidden
+        layers = cache_layers(cache)
+        total = int(cache.nbytes)
+        dec_s = None
+        if decode_tokens > 0:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens):
+                h, cache = backbone(nxt, cache)
+                nxt = head(h[:, -1:]).argmax(-1)
+            _sync(device)
+            dec_s = time.perf_counter() - t0
+        kvm = [r["state_rows"] for r in layers if r["state_rows"] is not None]
+        full = full_attention_kv_bytes(cfg, int(n), batch_size, dtype)
+        rec = {"N": int(n), "batch": batch_size, "prefill_s": prefill_s,
+               "prefill_tok_s": batch_size * int(n) / prefill_s if prefill_s > 0 else None,
+               "decode_tokens": decode_tokens, "decode_s": dec_s,
+               "decode_tok_s": batch_size * decode_tokens / dec_s if dec_s else None,
+               "cache_bytes": total, "full_attn_kv_bytes": full, "cache_vs_full": total / full,
+               "state_rows": max(kvm) if kvm else None, "layers": layers}
+        out.append(rec)
+        dec = "-" if rec["decode_tok_s"] is None else f"{rec['decode_tok_s']:.1f}"
+        log(f"  N={n}: prefill {prefill_s:.3f} s, decode {dec} tok/s, cache {human_bytes(total)} vs full "
+            f"attention {human_bytes(full)}, state rows {rec['state_rows']}")
+        del cache
+    return out
+
+
+# ---- outputs ----------------------------------------------------------------------------------------
+_CSV = ["label", "budget", "N", "batch", "prefill_s", "prefill_tok_s", "decode_tokens", "decode_s", "decode_tok_s",
+        "state_rows", "cache_bytes", "full_attn_kv_bytes", "cache_vs_full", "layer_nbytes", "layer_state_rows"]
+
+
+def write_model_outputs(out_dir: Union[str, Path], models: Sequence[Dict[str, Any]], config: Dict[str, Any]
+                        ) -> Dict[str, Path]:
+    """``memory.json`` / ``memory.csv`` / ``memory.png`` for the measured ``models``."""
+    out = Path(out_dir)
+    paths = {"json": write_json(out / "memory.json", {"config": config, "models": list(models)}),
+             "csv": write_csv(out / "memory.csv", _CSV, [
+                 {"label": m["label"], "budget": m["budget"], **{k: r[k] for k in _CSV if k in r},
+                  "layer_nbytes": " ".join(str(x["nbytes"]) for x in r["layers"]),
+                  "layer_state_rows": " ".join("" if x["state_rows"] is None else str(x["state_rows"])
+                                               for x in r["layers"])}
+                 for m in models for r in m["results"]])}
+    rows_series, bytes_series = {}, {}
+    for m in models:
+        xs = [r["N"] for r in m["results"]]
+        name = f"{m['label']} ({m['budget']})"
+        if any(r["state_rows"] is not None for r in m["results"]):
+            rows_series[name] = (xs, [r["state_rows"] for r in m["results"]])
+        bytes_series[name] = (xs, [r["cache_bytes"] for r in m["results"]])
+        bytes_series[f"{m['label']}: full-attention KV"] = (xs, [r["full_attn_kv_bytes"] for r in m["results"]])
+    all_n = sorted({r["N"] for m in models for r in m["results"]})
+    rows_series["full attention (N rows)"] = (all_n, all_n)
+    png = plot_panels(out / "memory.png", [
+        {"title": "KVM state rows after N tokens", "xlabel": "N (tokens)",
+         "ylabel": "state rows (max over KVM layers)", "series": rows_series},
+        {"title": "cache bytes after N tokens", "xlabel": "N (tokens)", "ylabel": "bytes (all layers)",
+         "series": bytes_series}],
+        title=f"kvmeans eval memory (batch {config.get('batch_size')}, {config.get('dtype')}, {config.get('device')})")
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def write_schedule_outputs(out_dir: Union[str, Path], rows: Sequence[Dict[str, Any]], config: Dict[str, Any]
+                           ) -> Dict[str, Path]:
+    out = Path(out_dir)
+    paths = {"json": write_json(out / "schedule.json", {"config": config, "rows": list(rows)}),
+             "csv": write_csv(out / "schedule.csv", ["budget", "N", "state_rows", "window_tokens",
+                                                     "full_attention_rows"], rows)}
+    series: Dict[str, Tuple[List[int], List[int]]] = {}
+    for r in rows:
+        xs, ys = series.setdefault(r["budget"], ([], []))
+        xs.append(r["N"])
+        ys.append(r["state_rows"])
+    ns = sorted({r["N"] for r in rows})
+    series["full attention (N)"] = (ns, ns)
+    panel = {"title": "state size vs context length (schedule)", "xlabel": "N (tokens)", "ylabel": "state rows",
+             "series": series}
+    png = plot_panels(out / "schedule.png", [panel], ncols=1,
+                      title=f"chunk_len {config['chunk_len']}, n_bswa_chunks {config['n_bswa_chunks']}")
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+# ---- command line -----------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmeans eval memory",
+                                description="State rows, cache bytes, prefill time and decode speed vs length "
+                                            "(vs a full-attention KV cache); --schedule: budgets only, no model.")
+    p.add_argument("--model", action="append", default=[], metavar="DIR", help="model directory (repeatable)")
+    p.add_argument("--preset", action="append", default=[], metavar="NAME",
+                   help="a kvmeans.models preset with random weights (repeatable), e.g. kvm-120m, tiny-cpu")
+    p.add_argument("--label", action="append", default=None, help="one per --model/--preset, in that order")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="context lengths N (default 256 1024 4096; schedule mode: 2^8 .. 2^20)")
+    p.add_argument("--decode-tokens", type=int, default=16, help="greedy tokens decoded after each prefill")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32",
+                   help="model dtype (auto: as stored; presets: float32)")
+    p.add_argument("--schedule", action="store_true", help="also (or only) draw the budgets' state-size curves")
+    p.add_argument("--budget", action="append", default=None, metavar="SPEC",
+                   help="schedule mode: fixed:N, sqrt:F, power:F:E[:MIN], saturating:N (default: the paper's three)")
+    p.add_argument("--chunk-len", type=int, default=256, help="schedule mode: chunk length C (default 256)")
+    p.add_argument("--n-bswa-chunks", type=int, default=2, help="schedule mode: window chunks n (default 2)")
+    p.add_argument("--out", default="memory", help="output folder (default ./memory)")
+    return p
+
+
+def _load(kind: str, name: str, device: str, dtype: str):
+    from ..models.config import preset
+    if kind == "preset":
+        from ..models.transformer import KVMLanguageModel
+        model = KVMLanguageModel(preset(name))
+        if dtype not in ("auto", "float32"):
+            model = model.to(getattr(torch, dtype))
+        return model.to(device).eval()
+    from ..models.hf import KVMForCausalLM
+    return KVMForCausalLM.from_pretrained(name, dtype=dtype if dtype == "auto" else getattr(torch, dtype)) \
+        .to(device).eval()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    prog = p.prog
+    sources = [("model", d) for d in a.model] + [("preset", n) for n in a.preset]
+    if not sources and not a.schedule:
+        p.error("give --model DIR and/or --preset NAME (e.g. --preset tiny-cpu), or --schedule for budgets only")
+    if a.label is not None and len(a.label) != len(sources):
+        p.error(f"give one --label per --model/--preset ({len(sources)}), or none")
+    if a.lengths is not None and min(a.lengths) < 1:
+        p.error(f"--lengths must be >= 1, got {min(a.lengths)}")
+    if a.decode_tokens < 0 or a.batch_size < 1 or a.chunk_len < 1 or a.n_bswa_chunks < 1:
+        p.error("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
+    from ..models.config import PRESETS
+    for kind, name in sources:
+        if kind == "preset" and name not in PRESETS:
+            p.error(f"--preset {name!r}: unknown; available: {', '.join(sorted(PRESETS))}")
+        if kind == "model" and not Path(name).is_dir():
+            p.error(f"--model {name}: no such directory")
+    try:
+        budgets = dict(parse_budget(s) for s in a.budget) if a.budget else None
+    except ValueError as err:
+        p.error(str(err))
+    if a.threads is not None:
+        if a.threads < 1:
+            p.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    written: List[Path] = []
+    if a.schedule:
+        lengths = a.lengths or [2 ** k for k in range(8, 21)]
+        rows = schedule_curves(lengths, budgets, a.chunk_len, a.n_bswa_chunks)
+        labels = list((budgets or PAPER_BUDGETS).keys())
+        table = [[n] + [next(r["state_rows"] for r in rows if r["budget"] == b and r["N"] == n) for b in labels] + [n]
+                 for n in lengths]
+        print(format_table(["N"] + labels + ["full attention"], table))
+        cfg = {"chunk_len": a.chunk_len, "n_bswa_chunks": a.n_bswa_chunks,
+               "budgets": {k: repr(v) for k, v in (budgets or PAPER_BUDGETS).items()}}
+        written += write_schedule_outputs(a.out, rows, cfg).values()
+    if sources:
+        lengths = a.lengths or [256, 1024, 4096]
+        labels = a.label or [Path(n).name if k == "model" else n for k, n in sources]
+        measured = []
+        for label, (kind, name) in zip(labels, sources):
+            model = _load(kind, name, a.device, a.dtype)
+            cfg = _model_config(model)
+            budget = repr(cfg.state_budget()) if "kvm" in cfg.mixer_per_layer() else "no KVM layers"
+            print(f"[{label}] {kind} {name}: layers {cfg.mixer_per_layer()}, budget {budget}, "
+                  f"Hkv {cfg.kv_heads}, D {cfg.qk_head_dim}, {_model_dtype(model)}")
+            try:
+                res = measure_model(model, lengths, a.decode_tokens, a.batch_size, a.seed)
+            except torch.cuda.OutOfMemoryError as err:  # pragma: no cover - GPU only
+                print(f"{prog}: [{label}] out of memory ({err}); lower --lengths or --batch-size", file=sys.stderr)
+                return 1
+            measured.append({"label": label, "source": name, "kind": kind, "budget": budget,
+                             "budget_spec": budget_to_dict(cfg.state_budget()), "mixers": cfg.mixer_per_layer(),
+                             "kv_heads": cfg.kv_heads, "head_dim": cfg.qk_head_dim, "num_layers": cfg.num_layers,
+                             "chunk_len": cfg.chunk_len, "n_bswa_chunks": cfg.n_bswa_chunks,
+                             "dtype": str(_model_dtype(model)), "results": res})
+            del model
+        head = ["model", "N", "prefill s", "decode tok/s", "state rows", "cache", "full-attn KV", "ratio"]
+        table = [[m["label"], r["N"], f"{r['prefill_s']:.3f}",
+                  "" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}",
+                  "" if r["state_rows"] is None else r["state_rows"], human_bytes(r["cache_bytes"]),
+                  human_bytes(r["full_attn_kv_bytes"]), f"{r['cache_vs_full']:.3f}"]
+                 for m in measured for r in m["results"]]
+        print(format_table(head, table))
+        from ..bench.report import env_info
+        config = {"lengths": lengths, "decode_tokens": a.decode_tokens, "batch_size": a.batch_size, "seed": a.seed,
+                  "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
+                  "env": env_info(a.device),
+                  "full_attn_kv_bytes": "2 * layers * batch * Hkv * N * head_dim * bytes(model dtype): keys + "
+                                        "values only (no token-shift rows, no allocator slack)",
+                  "cache_bytes": "ModelCache.nbytes after the prefill of N tokens (= KVMCache.nbytes): "
+                                 "allocated buffers incl. spare capacity, token-shift and MLP-shift rows"}
+        written += write_model_outputs(a.out, measured, config).values()
+    print("wrote " + ", ".join(str(x) for x in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

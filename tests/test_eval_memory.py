@@ -1,0 +1,131 @@
+"""`kvmeans eval memory`: state rows equal the budget schedule, cache bytes equal KVMCache.nbytes,
+the full-attention reference formula, schedule-only curves up to 1M tokens, JSON/CSV/PNG outputs."""
+import csv
+import json
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from kvmeans.cli import main as kvmeans_cli  # noqa: E402
+from kvmeans.eval.memory import (PAPER_BUDGETS, full_attention_kv_bytes, measure_model, parse_budget,  # noqa: E402
+                                 schedule_curves)
+from kvmeans.models import KVMLanguageModel, KVMModelConfig, preset  # noqa: E402
+from kvmeans.models.hf import KVMForCausalLM  # noqa: E402
+from kvmeans.ops.budget import StateBudget  # noqa: E402
+from kvmeans.ops.schedule import rows_after  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(**kw) -> KVMForCausalLM:
+    cfg = KVMModelConfig(**{**dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                                   chunk_len=8, n_bswa_chunks=2, swa_window=12, alt_mixer="swa", alt_every=2,
+                                   budget={"kind": "power_law", "factor": 3.0, "exponent": 0.5, "min_len": 8}), **kw})
+    return KVMForCausalLM.from_language_model(KVMLanguageModel(cfg)).eval()
+
+
+def test_measurements_match_schedule_cache_and_formula():
+    model = tiny()
+    cfg = model.config.to_model_config()
+    lengths = [5, 40, 100]
+    res = measure_model(model, lengths, decode_tokens=3, batch_size=2, log=lambda *_: None)
+    assert [r["N"] for r in res] == lengths
+    for r in res:
+        n = r["N"]
+        want_rows = rows_after(cfg.state_budget(), n, cfg.chunk_len, cfg.n_bswa_chunks)
+        kvm = [x for x in r["layers"] if x["mixer"] == "kvm"]
+        swa = [x for x in r["layers"] if x["mixer"] == "swa"]
+        assert len(kvm) == 2 and len(swa) == 2
+        assert all(x["state_rows"] == want_rows for x in kvm) and r["state_rows"] == want_rows
+        assert all(0 < x["used_nbytes"] <= x["mixer_nbytes"] < x["nbytes"] for x in kvm)
+        assert all(x["kv_rows"] == min(n, 12 - 1) and x["state_rows"] is None for x in swa)   # W - 1 cached
+        # cache bytes are exactly what the transformers cache reports after the same prefill
+        ids = torch.randint(0, 64, (2, n))
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        assert r["cache_bytes"] == cache.nbytes == sum(x["nbytes"] for x in r["layers"])
+        assert [x["nbytes"] for x in r["layers"]] == [cache.layer_nbytes(i) for i in range(4)]
+        assert r["full_attn_kv_bytes"] == 2 * 4 * 2 * 2 * n * 8 * 4 == full_attention_kv_bytes(cfg, n, 2, torch.float32)
+        assert r["cache_vs_full"] == pytest.approx(r["cache_bytes"] / r["full_attn_kv_bytes"])
+        assert r["prefill_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_tokens"] == 3
+    # the schedule grows the state: more rows at 100 tokens than at 40
+    assert res[2]["state_rows"] > res[1]["state_rows"]
+    assert full_attention_kv_bytes(cfg, 10, 1, torch.bfloat16) == 2 * 4 * 2 * 10 * 8 * 2
+
+
+def test_schedule_curves_paper_budgets_to_a_million_tokens():
+    lengths = [256, 4096, 2 ** 20]
+    t0 = time.perf_counter()
+    rows = schedule_curves(lengths)
+    assert time.perf_counter() - t0 < 10
+    got = {(r["budget"], r["N"]): r["state_rows"] for r in rows}
+    for label, b in PAPER_BUDGETS.items():
+        for n in lengths:
+            assert got[(label, n)] == rows_after(b, n, 256, 2)
+    assert [got[("fixed-256", n)] for n in lengths] == [256, 256, 256]
+    assert got[("16*sqrt(N)", 4096)] == 991                     # the README's quick-start state
+    assert 1000 < got[("saturating-1024", 2 ** 20)] <= 1024
+    assert got[("16*sqrt(N)", 2 ** 20)] > got[("saturating-1024", 2 ** 20)]
+    assert all(r["full_attention_rows"] == r["N"] and 0 < r["window_tokens"] <= 512 for r in rows)
+
+
+def test_parse_budget():
+    assert parse_budget("fixed:128") == ("fixed-128", StateBudget.fixed(128))
+    assert parse_budget("sqrt:16")[1] == PAPER_BUDGETS["16*sqrt(N)"]
+    assert parse_budget("saturating:1024")[1] == PAPER_BUDGETS["saturating-1024"]
+    assert parse_budget("power:2:0.75:64")[1] == StateBudget.power_law(2, 0.75, min_len=64)
+    with pytest.raises(ValueError, match="--budget"):
+        parse_budget("sqrt")
+
+
+def test_cli_preset_and_schedule_write_outputs(tmp_path, capsys):
+    out = tmp_path / "mem"
+    rc = kvmeans_cli(["eval", "memory", "--preset", "tiny-cpu", "--lengths", "33", "70", "--decode-tokens", "2",
+                      "--threads", "1", "--schedule", "--budget", "fixed:16", "--budget", "sqrt:4",
+                      "--chunk-len", "32", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "tiny-cpu" in printed and "full-attn KV" in printed and "fixed-16" in printed
+    res = json.loads((out / "memory.json").read_text())
+    (m,) = res["models"]
+    cfg = preset("tiny-cpu")
+    assert m["label"] == "tiny-cpu" and m["mixers"] == ["kvm"] * 4 and m["kv_heads"] == cfg.kv_heads
+    for r in m["results"]:
+        assert r["state_rows"] == rows_after(cfg.state_budget(), r["N"], cfg.chunk_len, cfg.n_bswa_chunks)
+        assert r["full_attn_kv_bytes"] == full_attention_kv_bytes(cfg, r["N"], 1, torch.float32)
+        assert len(r["layers"]) == 4 and r["cache_bytes"] == sum(x["nbytes"] for x in r["layers"])
+    rows = list(csv.DictReader(open(out / "memory.csv")))
+    assert [int(r["N"]) for r in rows] == [33, 70] and rows[1]["state_rows"] == str(m["results"][1]["state_rows"])
+    assert len(rows[0]["layer_nbytes"].split()) == 4
+    sched = json.loads((out / "schedule.json").read_text())
+    assert {(r["budget"], r["N"]): r["state_rows"] for r in sched["rows"]} == {
+        ("fixed-16", 33): 32, ("fixed-16", 70): 32,          # the first chunk (32 tokens) fills the state first
+        ("4*sqrt(N)", 33): rows_after(StateBudget.power_law(4, 0.5, min_len=256), 33, 32, 2),
+        ("4*sqrt(N)", 70): rows_after(StateBudget.power_law(4, 0.5, min_len=256), 70, 32, 2)}
+    for name in ("memory.png", "schedule.png"):
+        png = (out / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert len(list(csv.DictReader(open(out / "schedule.csv")))) == 4
+
+
+@pytest.mark.parametrize("args, msg", [
+    ([], "--model DIR"),
+    (["--preset", "nope"], "--preset 'nope'"),
+    (["--schedule", "--budget", "cube:3"], "--budget"),
+    (["--preset", "tiny-cpu", "--label", "a", "--label", "b"], "--label"),
+    (["--model", "/no/such/dir"], "--model /no/such/dir"),
+])
+def test_cli_errors_name_the_argument(args, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        kvmeans_cli(["eval", "memory", *args])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
