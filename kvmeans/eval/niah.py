@@ -1,0 +1,281 @@
+"""``kvmeans eval niah``: RULER's single-needle NIAH tasks (niah_single_1/2/3) on a causal LM, offline.
+
+    kvmeans eval niah --model DIR --lengths 4096 8192 16384 32768 --samples 500 [--out DIR]
+
+Data: :mod:`kvmeans.eval.ruler` (RULER's generator, binary-search haystack size, seed 42, budget
+``tokens(prompt) + 128 <= length`` measured with the model's own tokenizer). The prompt is
+``input + answer_prefix`` (lm-eval's ``input + " " + gen_prefix``); greedy decoding of up to 128 new
+tokens, stopping at EOS; score = RULER's ``string_match_all`` x 100 per (task, length).
+
+Batching: the samples of one (task, length) are sorted by prompt length (longest first) and generated
+``--batch-size`` at a time with left padding and an attention mask (``KVMForCausalLM`` gives every row
+the logits it has alone). Output: ``niah.json`` (config, haystack, per-(task, length) scores, per-sample
+predictions) and ``niah.csv`` (``task,length,samples,score``) in ``--out`` (default
+``results/niah/<model>-<timestamp>``), and a table like the paper's (rows NIAH-S1/S2/S3, one column per
+length, and the mean).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..utils.io import atomic_write_text
+from . import ruler
+
+__all__ = ["run_niah", "format_table", "write_results", "main"]
+
+
+def _device_of(model):
+    dev = getattr(model, "device", None)
+    if dev is None:
+        try:
+            dev = next(model.parameters()).device
+        except (AttributeError, StopIteration):
+            dev = "cpu"
+    return dev
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="sample", dynamic_ncols=True)
+
+
+def _generate(model, tokenizer, prompts: List[str], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
+    """Greedy continuations of ``prompts`` (left-padded batches, longest first); returns texts in order."""
+    import torch
+
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    device = _device_of(model)
+    out: List[Optional[str]] = [None] * len(ids)
+    for s in range(0, len(order), batch_size):
+        rows = order[s:s + batch_size]
+        width = max(len(ids[i]) for i in rows)
+        x = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            x[r, width - len(ids[i]):] = torch.tensor(ids[i], dtype=torch.long)
+            mask[r, width - len(ids[i]):] = 1
+        with torch.no_grad():
+            y = model.generate(input_ids=x.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                               do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=pad)
+        y = y.sequences if hasattr(y, "sequences") else y
+        for r, i in enumerate(rows):
+            new = [int(t) for t in y[r, width:].tolist()]
+            for j, t in enumerate(new):
+                if t in stop:
+                    new = new[:j]
+                    break
+            out[i] = tokenizer.decode(new, skip_special_tokens=True)
+        if bar is not None:
+            bar.update(len(rows))
+    return out  # type: ignore[return-value]
+
+
+def _haystack_for(tasks: Sequence[str], haystack_file: Optional[str]) -> Optional[ruler.EssayHaystack]:
+    if not any(ruler.TASKS[t]["type_haystack"] == "essay" for t in tasks):
+        return None
+    return ruler.load_haystack(haystack_file) if haystack_file else ruler.builtin_haystack()
+
+
+def _check_args(tasks, lengths, samples, batch_size, max_new_tokens):
+    bad = [t for t in tasks if t not in ruler.TASKS]
+    if bad:
+        raise ValueError(f"--tasks: unknown {', '.join(bad)}; choose from {', '.join(ruler.TASKS)}")
+    if not lengths:
+        raise ValueError("--lengths: give at least one length, e.g. --lengths 4096 8192")
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if not 1 <= max_new_tokens <= ruler.TOKENS_TO_GENERATE:
+        raise ValueError(f"--max-new-tokens must be in 1..{ruler.TOKENS_TO_GENERATE} (the budget reserves "
+                         f"{ruler.TOKENS_TO_GENERATE}), got {max_new_tokens}")
+
+
+def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), lengths: Sequence[int] = (4096,),
+             samples: int = 500, batch_size: int = 8, seed: int = ruler.DEFAULT_SEED,
+             haystack_file: Optional[str] = None, max_new_tokens: int = ruler.TOKENS_TO_GENERATE,
+             progress: bool = True) -> Dict[str, Any]:
+    """Generate RULER NIAH data with ``tokenizer`` and score ``model`` on it; returns the results dict.
+
+    ``model``: anything with a transformers-style ``generate(input_ids=, attention_mask=, max_new_tokens=,
+    do_sample=False, eos_token_id=, pad_token_id=)`` (e.g. ``KVMForCausalLM``), already on its device.
+    ``tokenizer``: the model's transformers tokenizer (the budget is measured with it).
+    ``max_new_tokens`` < 128 only shortens generation (smoke tests); the data keep RULER's 128-token budget.
+    Result keys: ``config``, ``haystack`` (essay tasks), ``scores`` (one row per (task, length):
+    ``task``, ``label``, ``length``, ``samples``, ``score``, ``mean_length``, ``max_prompt_tokens``), ``samples``
+    (per sample: ``task``, ``length`` (the task length), ``index``, ``tokens`` (prompt + 128), ``depth``,
+    ``num_haystack``, ``query``, ``outputs``, ``pred``, ``score``, ``input_sha256``).
+    """
+    tasks, lengths = list(tasks), [int(n) for n in lengths]
+    _check_args(tasks, lengths, samples, batch_size, max_new_tokens)
+    hay = _haystack_for(tasks, haystack_file)
+    bar = _progress(len(tasks) * len(lengths) * samples, progress)
+    scores, per_sample = [], []
+    t0 = time.perf_counter()
+    try:
+        for task in tasks:
+            for length in lengths:
+                if bar is not None:
+                    bar.set_description(f"{ruler.TASK_LABELS[task]} {length}")
+                recs = ruler.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay)
+                prompts = [r["input"] + r["answer_prefix"] for r in recs]
+                n_tok = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+                over = [i for i, n in enumerate(n_tok) if n + ruler.TOKENS_TO_GENERATE > length]
+                if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
+                    raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
+                                       f"over the budget {length} - {ruler.TOKENS_TO_GENERATE}")
+                preds = _generate(model, tokenizer, prompts, batch_size, max_new_tokens, bar)
+                score, fractions = ruler.string_match_all(preds, [r["outputs"] for r in recs])
+                scores.append({"task": task, "label": ruler.TASK_LABELS[task], "length": length, "samples": len(recs),
+                               "score": score, "mean_length": round(sum(r["length"] for r in recs) / len(recs), 1),
+                               "max_prompt_tokens": max(n_tok)})
+                for r, p, f in zip(recs, preds, fractions):
+                    per_sample.append({"task": task, "length": length, "index": r["index"], "tokens": r["length"],
+                                       "depth": r["depth"], "num_haystack": r["num_haystack"], "query": r["query"],
+                                       "outputs": r["outputs"], "pred": p, "score": f,
+                                       "input_sha256": hashlib.sha256(r["input"].encode("utf-8")).hexdigest()})
+    finally:
+        if bar is not None:
+            bar.close()
+    config = {"tasks": tasks, "lengths": lengths, "samples": samples, "batch_size": batch_size, "seed": seed,
+              "max_new_tokens": max_new_tokens, "tokens_to_generate_budget": ruler.TOKENS_TO_GENERATE,
+              "decoding": "greedy", "metric": "string_match_all x100 (RULER)",
+              "haystack_size_rule": "RULER binary search (kvmeans.eval.ruler)",
+              "seeding": f"RULER: fresh random.Random({seed}) per (task, length)",
+              "sentence_splitter": "kvmeans regex splitter (not NLTK punkt)",
+              "word_keys_sha256": ruler.WORD_KEYS_SHA256, "tokenizer": type(tokenizer).__name__,
+              "tokenizer_name": getattr(tokenizer, "name_or_path", None),
+              "elapsed_s": round(time.perf_counter() - t0, 2)}
+    return {"config": config, "haystack": hay.describe() if hay is not None else None, "scores": scores,
+            "samples": per_sample}
+
+
+def _col(length: int) -> str:
+    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    """The paper-style table: rows NIAH-S1/S2/S3, one column per length, then the mean of the row."""
+    lengths = sorted({s["length"] for s in results["scores"]})
+    hay = results.get("haystack") or {}
+    builtin = bool(hay.get("builtin"))
+    cell = {(s["task"], s["length"]): s["score"] for s in results["scores"]}
+    head = ["task"] + [_col(n) for n in lengths] + ["mean"]
+    rows = []
+    for task in [t for t in ruler.TASKS if any(k[0] == t for k in cell)]:
+        label = ruler.TASK_LABELS[task] + ("*" if builtin and ruler.TASKS[task]["type_haystack"] == "essay" else "")
+        vals = [cell.get((task, n)) for n in lengths]
+        got = [v for v in vals if v is not None]
+        rows.append([label] + ["-" if v is None else f"{v:.2f}" for v in vals] +
+                    [f"{sum(got) / len(got):.2f}" if got else "-"])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+    def fmt(r):
+        return "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+
+    lines = [fmt(head)] + [fmt(r) for r in rows]
+    n = {s["samples"] for s in results["scores"]}
+    lines.append(f"RULER string_match_all x100, {'/'.join(map(str, sorted(n)))} samples per cell, greedy")
+    if builtin and any(r[0].endswith("*") for r in rows):
+        lines.append("* essay haystack = kvmeans' built-in Shakespeare distractor corpus, NOT RULER's Paul Graham "
+                     "essays: not comparable with the paper (use --haystack-file)")
+    return "\n".join(lines)
+
+
+def write_results(results: Dict[str, Any], out: os.PathLike) -> Path:
+    """Write ``niah.json`` and ``niah.csv`` (``task,length,samples,score``) atomically into ``out``."""
+    d = Path(out)
+    atomic_write_text(d / "niah.json", json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "length", "samples", "score"])
+    for s in results["scores"]:
+        w.writerow([s["task"], s["length"], s["samples"], f"{s['score']:.2f}"])
+    atomic_write_text(d / "niah.csv", buf.getvalue())
+    return d
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvmeans eval niah", description="RULER needle-in-a-haystack (niah_single_1/2/3), "
+                                "data generated offline with the model's tokenizer; greedy; string_match_all x100")
+    p.add_argument("--model", required=True, help="model directory (ours or the authors' layout) with its tokenizer")
+    p.add_argument("--tasks", nargs="+", default=list(ruler.TASKS), choices=list(ruler.TASKS),
+                   help="default: all three")
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384, 32768],
+                   help="total lengths in tokens: prompt + 128 generated (default: 4096 8192 16384 32768)")
+    p.add_argument("--samples", type=int, default=500, help="samples per (task, length) (RULER: 500)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
+    p.add_argument("--seed", type=int, default=ruler.DEFAULT_SEED, help="RULER's random seed (default 42)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto (default): bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--haystack-file", default=None,
+                   help="essay haystack for S2/S3: RULER's PaulGrahamEssays.json ({\"text\": ...}) or a .txt; "
+                        "default: the built-in Shakespeare distractor corpus (not comparable with the paper)")
+    p.add_argument("--max-new-tokens", type=int, default=ruler.TOKENS_TO_GENERATE,
+                   help="generated tokens (default and RULER: 128; fewer only for smoke tests, the budget stays 128)")
+    p.add_argument("--out", default=None, help="folder for niah.json and niah.csv "
+                                               "(default: results/niah/<model>-<timestamp>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    prog = "kvmeans eval niah"
+    try:
+        _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
+    except ValueError as err:
+        p.error(str(err))
+    try:
+        import safetensors  # noqa: F401
+        import torch
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"{prog}: needs transformers and safetensors: pip install 'kvmeans[eval]'", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    from ..cli import _load_tokenizer
+    from ..models.hf import KVMForCausalLM
+
+    if not os.path.isdir(a.model):
+        print(f"{prog}: --model {a.model}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        tok = _load_tokenizer(a.model)
+        hay = _haystack_for(a.tasks, a.haystack_file)
+        for task in a.tasks:   # fail fast (before loading the model) on lengths that cannot hold the template
+            ruler.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
+    hf_logging.disable_progress_bar()
+    model = KVMForCausalLM.from_pretrained(a.model, dtype=getattr(torch, dtype)).to(device).eval()
+    results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
+                       a.max_new_tokens, progress=not a.no_progress)
+    results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype})
+    name = Path(os.path.abspath(a.model)).name or "model"
+    out = Path(a.out) if a.out else Path("results") / "niah" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    write_results(results, out)
+    print(format_table(results))
+    print(f"results: {out}{os.sep}niah.json, niah.csv" if a.out else f"results (default folder): {out}")
+    return 0
