@@ -53,11 +53,10 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="sample", dynamic_ncols=True)
 
 
-def _generate(model, tokenizer, prompts: List[str], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
-    """Greedy continuations of ``prompts`` (left-padded batches, longest first); returns texts in order."""
+def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
+    """Greedy continuations of the prompts ``ids`` (left-padded batches, longest first); texts in order."""
     import torch
 
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     eos = getattr(getattr(model, "config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -136,15 +135,17 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
         for task in tasks:
             for length in lengths:
                 if bar is not None:
-                    bar.set_description(f"{ruler.TASK_LABELS[task]} {length}")
+                    bar.set_description(f"{ruler.TASK_LABELS[task]} {length}: data")
                 recs = ruler.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay)
-                prompts = [r["input"] + r["answer_prefix"] for r in recs]
-                n_tok = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+                if bar is not None:
+                    bar.set_description(f"{ruler.TASK_LABELS[task]} {length}")
+                ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
+                n_tok = [len(x) for x in ids]
                 over = [i for i, n in enumerate(n_tok) if n + ruler.TOKENS_TO_GENERATE > length]
                 if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
                     raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
                                        f"over the budget {length} - {ruler.TOKENS_TO_GENERATE}")
-                preds = _generate(model, tokenizer, prompts, batch_size, max_new_tokens, bar)
+                preds = _generate(model, tokenizer, ids, batch_size, max_new_tokens, bar)
                 score, fractions = ruler.string_match_all(preds, [r["outputs"] for r in recs])
                 scores.append({"task": task, "label": ruler.TASK_LABELS[task], "length": length, "samples": len(recs),
                                "score": score, "mean_length": round(sum(r["length"] for r in recs) / len(recs), 1),
