@@ -116,6 +116,9 @@ def _convert(argv: List[str]) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--no-check", action="store_true", help="skip loading the result with KVMForCausalLM")
+    p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
+                   help="KVM rounding recorded in config.json: 'reference' (default: the authors' eager code's "
+                        "bf16 rounding points) or 'exact' (kvmeans' default numerics)")
     a = p.parse_args(argv)
     try:
         import safetensors  # noqa: F401
@@ -124,12 +127,12 @@ def _convert(argv: List[str]) -> int:
         return 2
     from .models.convert import convert_reference_checkpoint
     try:
-        config = convert_reference_checkpoint(a.src, a.dst)
+        config = convert_reference_checkpoint(a.src, a.dst, numerics=a.numerics)
     except (ValueError, FileNotFoundError) as err:
         print(f"kvmeans convert: {err}", file=sys.stderr)
         return 1
     print(f"converted {a.src} -> {a.dst}: {config.num_layers} layers {config.mixer_per_layer()}, "
-          f"d={config.hidden_size}, vocab={config.vocab_size}")
+          f"d={config.hidden_size}, vocab={config.vocab_size}, kvm_numerics={config.kvm_numerics!r}")
     if not a.no_check and _need_hf("convert"):
         from .models.hf import KVMForCausalLM
         model = KVMForCausalLM.from_pretrained(a.dst)

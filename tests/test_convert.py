@@ -32,6 +32,7 @@ def test_fixed256_120m():
     assert c.merge_gate and c.head_temps and c.value_radius and not c.gate_appends
     assert c.token_shift and c.mlp_token_shift and c.value_residual and c.qk_norm and not c.tie_embeddings
     assert c.rope_reference_bf16 and c.logit_softcap is None and c.residual_scale == 1.0 and c.ffn_dim == 3072
+    assert c.kvm_numerics == "reference"          # the authors' eager rounding points (ops/reference_numerics.py)
 
 
 def test_sqrt16_350m():

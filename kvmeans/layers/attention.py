@@ -99,9 +99,13 @@ class KVMAttentionConfig(AttentionConfig):
     sinks: bool = True                      # False -> no sink rows (sink_len treated as 0)
     state_norm_eps: float = 1e-5
     backend: str = "auto"
+    numerics: str = "exact"                 # "reference": the authors' eager rounding points (kvm_attention)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.numerics not in ("exact", "reference"):
+            _bad(self, "numerics", f"must be 'exact' or 'reference', got {self.numerics!r}",
+                 "use 'reference' to reproduce the authors' eager rounding, else 'exact'")
         if self.chunk_len < 1:
             _bad(self, "chunk_len", f"must be >= 1, got {self.chunk_len}", "pass a positive chunk_len")
         if self.n_bswa_chunks < 1:
@@ -295,6 +299,6 @@ class KVMAttention(GPTAlphaAttention):
             state_norm_eps=c.state_norm_eps, state_temp=self.state_head_temp,
             bswa_temp=self.front_head_temp, value_radius=c.value_radius, initial_state=state,
             return_state=True, gate_keys=c.merge_gate, gate_values=c.merge_gate,
-            gate_appends=c.gate_appends, backend=c.backend)
+            gate_appends=c.gate_appends, backend=c.backend, numerics=c.numerics)
         state.extras.update(extras)
         return self._project_out(y), state

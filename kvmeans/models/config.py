@@ -67,6 +67,7 @@ class KVMModelConfig:
     gate_appends: bool = False
     head_temps: bool = True
     value_radius: bool = True
+    kvm_numerics: str = "exact"                  # "reference": the authors' eager rounding (their checkpoints)
     # baselines
     swa_window: int = 256
     bswa_chunks: int = 3
@@ -104,6 +105,9 @@ class KVMModelConfig:
         if not self.residual_scale > 0:
             bad("residual_scale", f"must be > 0, got {self.residual_scale}", "use 1.0 (12 layers) or 0.5 (24)")
         budget_from_dict(self.budget)             # validates
+        if self.kvm_numerics not in ("exact", "reference"):
+            bad("kvm_numerics", f"must be 'exact' or 'reference', got {self.kvm_numerics!r}",
+                "use 'reference' to reproduce the authors' eager rounding, else 'exact'")
         for name in ("rope_dim", "alt_rope_dim"):
             r = getattr(self, name)
             if r is not None and (r < 0 or r % 2 or r > self.qk_head_dim):

@@ -9,11 +9,12 @@ unused quirk tensor, write ``config.json`` + ``model.safetensors`` in our format
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from .config import KVMModelConfig
 __all__ = ["reference_config_to_ours", "is_reference_checkpoint", "load_reference_state_dict",
            "reference_parameter_shapes", "kvmeans_parameter_shapes", "map_reference_state_dict",
            "convert_reference_checkpoint", "read_converted_checkpoint", "build_tiny_reference_checkpoint",
+           "with_numerics",
            "FORMAT_VERSION", "TOKENIZER_FILES"]
 
 PathLike = Union[str, os.PathLike]
@@ -56,7 +58,9 @@ def reference_config_to_ours(cfg: Dict[str, Any]) -> KVMModelConfig:
     Notes: ``kvm_use_vlens=0`` maps to ``value_radius=False``, which in kvmeans is the *intended*
     ablation (each state row reads its running mean ``V_sum / count``); the reference's own ablation
     is buggy (a global divisor, crashes on growing states; reference 1.9), so that variant's outputs are
-    not reproduced. cos/sin of RoPE are rounded to bf16 like the authors' code (``rope_reference_bf16``).
+    not reproduced. cos/sin of RoPE are rounded to bf16 like the authors' code (``rope_reference_bf16``)
+    and KVM layers use the authors' eager rounding points (``kvm_numerics="reference"``; replace it with
+    ``dataclasses.replace(config, kvm_numerics="exact")`` for kvmeans' default numerics).
     """
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
@@ -114,6 +118,7 @@ def reference_config_to_ours(cfg: Dict[str, Any]) -> KVMModelConfig:
         residual_scale=float(get("residual_scale") or 1.0), mixer=main,
         alt_mixer=alt, alt_every=every if hybrid else 0, rope_dim=rope, rope_theta=float(get("rope_theta")),
         alt_rope_dim=alt_rope, alt_rope_theta=float(get("alt_rope_theta")), rope_reference_bf16=True,
+        kvm_numerics="reference",
         chunk_len=C, n_bswa_chunks=int(get("n_bswa_chunks")), sink_len=int(get("sink_len")),
         swa_window=int(get("swa_window_size")) if int(get("swa_window_size")) > 0 else C,
         bswa_chunks=int(get("n_bswa_chunks")), bswa_sink_len=int(get("sink_len")),
@@ -265,8 +270,11 @@ def _load_bin(path: Path) -> Dict[str, Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike) -> KVMModelConfig:
+def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike, numerics: Optional[str] = None) -> KVMModelConfig:
     """Convert an authors' checkpoint directory into ours; returns the mapped config.
+
+    ``numerics``: the ``kvm_numerics`` recorded in the new ``config.json``; None keeps the mapping's
+    ``"reference"`` (the authors' eager rounding points), ``"exact"`` selects kvmeans' default numerics.
 
     Writes ``dst_dir/config.json`` (``KVMModelConfig.to_dict()`` + ``model_type: "kvmeans"``,
     ``format_version``), ``dst_dir/model.safetensors`` (tensors as stored), each atomically, and copies
@@ -277,6 +285,8 @@ def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike) -> KVMMod
     if dst.exists() and src.resolve() == dst.resolve():
         raise ValueError(f"convert_reference_checkpoint: dst_dir must differ from src_dir ({src})")
     config = reference_config_to_ours(_read_json(src / "config.json"))
+    if numerics is not None:
+        config = with_numerics(config, numerics, "numerics")
     sd = map_reference_state_dict(load_reference_state_dict(src), config)
     dst.mkdir(parents=True, exist_ok=True)
     # safetensors refuses views and shared storage: give each tensor its own compact buffer
@@ -289,6 +299,14 @@ def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike) -> KVMMod
         if (src / name).is_file():
             atomic_write(dst / name, lambda tmp, n=name: shutil.copyfile(src / n, tmp))
     return config
+
+
+def with_numerics(config: KVMModelConfig, numerics: str, argument: str = "kvm_numerics") -> KVMModelConfig:
+    """``config`` with ``kvm_numerics=numerics``; a bad value raises ``ValueError`` naming ``argument``."""
+    if numerics not in ("exact", "reference"):
+        raise ValueError(f"{argument} must be 'exact' (kvmeans' default numerics) or 'reference' (the authors' "
+                         f"eager rounding points), got {numerics!r}")
+    return dataclasses.replace(config, kvm_numerics=numerics)
 
 
 def read_converted_checkpoint(path: PathLike) -> Tuple[KVMModelConfig, Dict[str, Tensor]]:

@@ -1,11 +1,16 @@
 """Hugging Face ``transformers`` adapter: ``KVMConfig``, ``KVMForCausalLM`` (``generate()``, Auto classes).
 
 Supported transformers: 5.x (``>=5.0,<6``); tests pass with 5.0.0 and 5.23.0 (torch 2.13 CPU). Importing this
-module registers ``model_type "kvmeans"`` with ``AutoConfig`` and ``AutoModelForCausalLM``::
+module registers ``model_type "kvmeans"`` and the authors' ``"rwkv7backbone"`` (config mapped by
+:func:`~kvmeans.models.convert.reference_config_to_ours`) with ``AutoConfig`` and ``AutoModelForCausalLM``::
 
     import kvmeans.models.hf
     model = AutoModelForCausalLM.from_pretrained(dir)          # our layout
     model = KVMForCausalLM.from_pretrained(authors_dir)       # also the authors' "rwkv7backbone" layout
+    model = AutoModelForCausalLM.from_pretrained(authors_dir) # the same, through the Auto classes
+
+An authors' directory loads with ``kvm_numerics="reference"`` (their eager code's rounding points);
+``from_pretrained(dir, kvm_numerics="exact")`` selects kvmeans' default numerics (either layout).
     out = model.generate(ids, attention_mask=mask, max_new_tokens=32, num_beams=2)
 
 Parameter names are the authors' (``transformer.*``, ``lm_head.*``), so our ``model.safetensors``
@@ -42,12 +47,13 @@ except ImportError:  # pragma: no cover
     from transformers import PretrainedConfig as PreTrainedConfig
 
 from .config import KVMModelConfig
+from ._reference_format import REFERENCE_MODEL_TYPE
 from .convert import (is_reference_checkpoint, load_reference_state_dict, map_reference_state_dict,
-                      reference_config_to_ours)
+                      reference_config_to_ours, with_numerics)
 from .hf_cache import KVMCache
 from .transformer import KVMLanguageModel
 
-__all__ = ["KVMConfig", "KVMForCausalLM"]
+__all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
 
 _FIELDS = [f.name for f in dataclasses.fields(KVMModelConfig)]
 
@@ -223,6 +229,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         Missing or mis-shaped tensors raise ``ValueError``. Authors' layout: ``dtype``/``torch_dtype``
         (default ``"auto"`` = as stored, bf16 for the released models, like transformers 5 does for
         ours; pass ``dtype=torch.float32`` on CPU) and ``device_map`` (one device) apply.
+        ``kvm_numerics``: ``"reference"`` (default for the authors' layout: their eager rounding points)
+        or ``"exact"`` (kvmeans' numerics); for our layout it overrides what ``config.json`` records.
         """
         path = pretrained_model_name_or_path
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
@@ -237,9 +245,13 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _from_reference(cls, path: Path, dtype=None, torch_dtype=None, device_map=None, config=None,
-                        **ignored) -> "KVMForCausalLM":
+                        kvm_numerics=None, **ignored) -> "KVMForCausalLM":
         raw = json.loads((path / "config.json").read_text())
-        mc = reference_config_to_ours(raw)
+        # a config built by AutoConfig from this directory (KVMReferenceConfig) carries the mapping and
+        # any overrides given to AutoModelForCausalLM.from_pretrained (kvm_numerics="exact", ...)
+        mc = config.to_model_config() if isinstance(config, KVMConfig) else reference_config_to_ours(raw)
+        if kvm_numerics is not None:
+            mc = with_numerics(mc, kvm_numerics)
         sd = map_reference_state_dict(load_reference_state_dict(path), mc)
         hf_extra = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
         cfg = KVMConfig.from_model_config(mc, **hf_extra)
@@ -261,5 +273,47 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         return model.eval()
 
 
+class KVMReferenceConfig(KVMConfig):
+    """``AutoConfig`` for the authors' ``config.json`` (``model_type "rwkv7backbone"``): their keys are
+    mapped by :func:`reference_config_to_ours` (``kvm_numerics="reference"`` unless given), so this is
+    a :class:`KVMConfig` with our fields; it serialises as ``model_type "kvmeans"`` (our layout).
+    Without their keys (no ``token_mixer``) it takes :class:`KVMConfig` keywords."""
+
+    model_type = REFERENCE_MODEL_TYPE
+
+    def __init__(self, **kwargs):
+        if "token_mixer" in kwargs:                   # an authors' config.json
+            numerics = kwargs.pop("kvm_numerics", "reference")
+            mc = with_numerics(reference_config_to_ours({**kwargs, "model_type": REFERENCE_MODEL_TYPE}), numerics)
+            hf = {k: kwargs[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
+                                         "name_or_path", "_name_or_path", "transformers_version")
+                  if kwargs.get(k) is not None}
+            kwargs = {**mc.to_dict(), **hf}
+        else:
+            kwargs.setdefault("kvm_numerics", "reference")
+        kwargs.pop("model_type", None)
+        super().__init__(**kwargs)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out["model_type"] = KVMConfig.model_type      # saved configs are our layout
+        return out
+
+
+class KVMReferenceForCausalLM(KVMForCausalLM):
+    """``AutoModelForCausalLM`` entry for the authors' layout: ``from_pretrained`` maps the weights with
+    :meth:`KVMForCausalLM.from_pretrained` and returns a :class:`KVMForCausalLM`."""
+
+    config_class = KVMReferenceConfig
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        for key in ("trust_remote_code", "adapter_kwargs"):   # added by the Auto class
+            kwargs.pop(key, None)
+        return KVMForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+
 AutoConfig.register(KVMConfig.model_type, KVMConfig, exist_ok=True)
 AutoModelForCausalLM.register(KVMConfig, KVMForCausalLM, exist_ok=True)
+AutoConfig.register(KVMReferenceConfig.model_type, KVMReferenceConfig, exist_ok=True)
+AutoModelForCausalLM.register(KVMReferenceConfig, KVMReferenceForCausalLM, exist_ok=True)

@@ -36,7 +36,8 @@ def build_mixer(config: KVMModelConfig, i: int) -> nn.Module:
         return KVMAttention(KVMAttentionConfig(
             **common, **rope, chunk_len=config.chunk_len, n_bswa_chunks=config.n_bswa_chunks,
             sink_len=config.sink_len, budget=config.state_budget(), merge_gate=config.merge_gate,
-            gate_appends=config.gate_appends, head_temps=config.head_temps, value_radius=config.value_radius))
+            gate_appends=config.gate_appends, head_temps=config.head_temps, value_radius=config.value_radius,
+            numerics=config.kvm_numerics))
     if kind == "full":
         return FullAttention(AttentionConfig(**common, **rope))
     if kind == "swa":

@@ -11,6 +11,7 @@ from .budget import BudgetLike, StateBudget, as_budget
 from .state import KVMState
 
 BACKENDS = ("auto", "naive", "chunked", "recurrent", "triton")
+NUMERICS = ("exact", "reference")
 
 
 def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None, *, chunk_len: int = 256,
@@ -21,7 +22,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                   value_radius: bool = True, scale: Optional[float] = None,
                   initial_state: Optional[KVMState] = None, return_state: bool = False,
                   gate_keys: bool = True, gate_values: bool = True, gate_appends: bool = False,
-                  backend: str = "auto"):
+                  backend: str = "auto", numerics: str = "exact"):
     """Key-Value Means attention: exact block sliding window + compressed state, one softmax.
 
     Args:
@@ -46,14 +47,23 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             (no-grad continuation / decode) | ``"triton"`` (the chunked / recurrent paths with the fused Triton
             attention and decode kernels; CUDA, float32 / half compute). ``"auto"`` picks Triton when q is on CUDA
             and Triton is installed, the torch paths otherwise. All give the same result.
+        numerics: ``"exact"`` (default: fp32 compute for half inputs, ungated routing key, readout in the
+            compute dtype) or ``"reference"``: the rounding points of the authors' eager code (model-dtype
+            state sums and routing, gated merge key, bf16 readout values; see
+            :mod:`kvmeans.ops.reference_numerics`). Reference mode computes in q's dtype, runs one dedicated
+            chunk-by-chunk implementation whatever ``backend`` says (for fidelity, not speed; autograd works)
+            and keeps the state's sums in q's dtype (radii fp32).
     Returns:
         ``y [B, H, T, Dv]`` in q's dtype, or ``(y, state)`` with ``return_state=True``.
     """
     B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
     gate = _check_gate(gate, q, B, Hkv, T)
     _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend)
+    _check_numerics(numerics)
     budget_fn = as_budget(budget)
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    if numerics == "reference":         # the authors' eager code computes in the model dtype
+        compute = q.dtype
     state_temp = _check_vec(state_temp, "state_temp", H, q, compute)
     bswa_temp = _check_vec(bswa_temp, "bswa_temp", H, q, compute)
     ln_w = _check_vec(state_norm_weight, "state_norm_weight", D, q, None)
@@ -63,13 +73,16 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                     value_radius=bool(value_radius))
     if initial_state is None:
         state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=q.device, **geometry)
+        if numerics == "reference":
+            state.radii = state.radii.float()   # radii stay fp32 (reference-semantics 10)
     else:
         if not isinstance(initial_state, KVMState):
             raise TypeError(f"initial_state must be a KVMState returned by kvm_attention, got {type(initial_state).__name__}")
         initial_state.check_compatible(batch=B, kv_heads=Hkv, head_dim=D, value_dim=Dv, device=q.device, **geometry)
         if initial_state.dtype != compute:
-            raise ValueError(f"initial_state is {initial_state.dtype} but this call computes in {compute}; "
-                             f"convert it with state.to({compute})")
+            raise ValueError(f"initial_state is {initial_state.dtype} but this call computes in {compute} "
+                             f"(numerics={numerics!r}); continue a sequence with the numerics that started it, "
+                             f"or convert it with state.to({compute})")
         state = initial_state
     _check_budget_against_state(budget, state, chunk_len)
 
@@ -82,7 +95,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
     attn = "torch"      # attention kernels of the chunked / recurrent paths
-    if backend == "triton" or (backend == "auto" and q.is_cuda):
+    if backend == "triton" or (backend == "auto" and q.is_cuda and numerics == "exact"):
         from .triton import unavailable_reason    # cheap: does not import triton
         why = unavailable_reason(q.device, compute)
         if why is None:
@@ -91,13 +104,15 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             raise ValueError(f"backend='triton' cannot run here: {why}")
     if backend == "auto":
         backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
-    if backend == "recurrent" and needs_grad:
+    if backend == "recurrent" and needs_grad and numerics == "exact":
         raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
                          "backend='chunked' or call it under torch.no_grad()")
     args = [t.to(compute) for t in (q, k, v, gate)]
-    if attn == "triton":
+    if attn == "triton" and numerics == "exact":
         kwargs["attn"] = attn
-    if backend == "naive":
+    if numerics == "reference":
+        from .reference_numerics import reference_kvm_attention as impl
+    elif backend == "naive":
         from .naive import naive_kvm_attention as impl
     elif backend == "chunked":
         from .chunk import chunk_kvm_attention as impl
@@ -168,6 +183,12 @@ def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backe
         raise ValueError(f"rope_dim must be an int in [0, D={D}], got {rope_dim!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _check_numerics(numerics):
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS} ('exact': kvmeans' default; 'reference': the "
+                         f"authors' eager rounding points), got {numerics!r}")
 
 
 def _check_budget_against_state(budget, state, chunk_len):
