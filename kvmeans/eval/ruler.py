@@ -43,8 +43,9 @@ lengths RULER cannot generate (e.g. the essay tasks below about 800 tokens).
 sample and each shrink retry -- comes from that stream in RULER's order, and the needle shuffle uses a
 separate ``random.Random(seed)`` as RULER does. So sample ``i`` does not depend on ``num_samples`` (the
 first k samples are the same for any count), and with the same tokenizer, seed and haystack text the
-noise task (S1) is the sample RULER's own script writes. Samples do depend on the tokenizer (through the
-search probes), as in RULER.
+noise task (S1) is, by construction, what RULER's own script writes (the per-sample builder is checked
+byte for byte against lm-eval's port in ``tests/data/niah_golden.json``; RULER's script itself is not run
+here). Samples do depend on the tokenizer (through the search probes), as in RULER.
 
 Deviations from RULER (documented, deliberate):
 
