@@ -1,7 +1,7 @@
 """backend="triton" == naive: outputs, final state, every gradient; kernels against explicit torch references.
 
-Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set below before
-kvmeans imports Triton (run this file in its own process if another test imported the kernels first).
+Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set by conftest.py
+(and again below, for runs without it) before kvmeans imports Triton.
 Default run: tiny shapes (< 1 min on 2 cores). Broader sweep:
 ``TRITON_INTERPRET=1 python -m pytest -m slow tests/test_triton.py``; compiled kernels on a GPU:
 ``python -m pytest -m gpu tests/test_triton.py`` (plus the default tests, which then run compiled on CUDA).
