@@ -23,6 +23,7 @@ from kvmeans.models import KVMLanguageModel, KVMModelConfig  # noqa: E402
 from kvmeans.models.convert import build_tiny_reference_checkpoint  # noqa: E402
 from kvmeans.models.hf import KVMForCausalLM  # noqa: E402
 from kvmeans.train.tokenizers import EOT, save_tokenizer  # noqa: E402
+from kvmeans.utils.testing import perturb_identity_init  # noqa: E402
 
 TOY = Path(__file__).parent / "data" / "lmeval_toy"
 TASKS = ["kvm_toy_mc", "kvm_toy_gen"]
@@ -45,12 +46,7 @@ def tiny_model(seed=0) -> KVMForCausalLM:
     cfg = KVMModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                          chunk_len=8, n_bswa_chunks=2, budget={"kind": "fixed", "n": 8})
     lm = KVMLanguageModel(cfg)
-    with torch.no_grad():                       # the paper init makes blocks the identity: perturb
-        for name, p in lm.named_parameters():
-            if name.endswith("c_proj.weight") or "v_gate1" in name:
-                p.normal_(std=0.2)
-            elif name.endswith("wte.weight"):
-                p.normal_()
+    perturb_identity_init(lm)   # the paper init makes blocks the identity
     return KVMForCausalLM.from_language_model(lm, eos_token_id=0, pad_token_id=0).eval()
 
 

@@ -15,6 +15,7 @@ from kvmeans.models.convert import (build_tiny_reference_checkpoint, convert_ref
                                     read_converted_checkpoint)
 from kvmeans.models.hf import KVMConfig, KVMForCausalLM  # noqa: E402
 from kvmeans.models.hf_cache import KVMCache  # noqa: E402
+from kvmeans.utils.testing import perturb_identity_init  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, chunk_len=8,
             n_bswa_chunks=2, budget={"kind": "fixed", "n": 16}, swa_window=8, bswa_chunks=2, bswa_sink_len=2,
@@ -27,12 +28,7 @@ GREEDY = dict(do_sample=False, pad_token_id=0)
 def tiny(arch="kvm", seed=0, **overrides) -> KVMForCausalLM:
     torch.manual_seed(seed)
     lm = KVMLanguageModel(KVMModelConfig(**{**TINY, **ARCHS[arch], **overrides}))
-    with torch.no_grad():  # the paper init makes every block the identity: perturb it
-        for name, p in lm.named_parameters():
-            if name.endswith("c_proj.weight") or "v_gate1" in name:
-                p.normal_(std=0.2)
-            elif name.endswith("wte.weight"):
-                p.normal_()
+    perturb_identity_init(lm)   # the paper init makes blocks the identity
     return KVMForCausalLM.from_language_model(lm).eval()
 
 

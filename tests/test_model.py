@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvmeans.models import MLP, KVMLanguageModel, KVMModelConfig, preset
+from kvmeans.utils.testing import perturb_identity_init
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, chunk_len=8,
             n_bswa_chunks=2, budget={"kind": "fixed", "n": 16}, swa_window=8, bswa_chunks=2, bswa_sink_len=2,
@@ -19,12 +20,7 @@ T = 70  # crosses 8 chunks of 8 tokens
 def tiny_model(arch, seed=0, **overrides):
     torch.manual_seed(seed)
     model = KVMLanguageModel(KVMModelConfig(**{**TINY, **ARCHS[arch], **overrides}))
-    with torch.no_grad():  # the reference init makes every block the identity: perturb it
-        for name, p in model.named_parameters():
-            if name.endswith("c_proj.weight") or "v_gate1" in name:
-                p.normal_(std=0.2)
-            elif name.endswith("wte.weight"):
-                p.normal_()
+    perturb_identity_init(model)   # the paper init makes blocks the identity
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from kvmeans.eval.position_loss import (block_stats, document_spans, open_token_
 from kvmeans.models import KVMLanguageModel, KVMModelConfig  # noqa: E402
 from kvmeans.models.hf import KVMForCausalLM  # noqa: E402
 from kvmeans.train.data import TokenFile, write_token_file  # noqa: E402
+from kvmeans.utils.testing import perturb_identity_init  # noqa: E402
 
 V, EOS = 64, 0
 ARCHS = {"kvm": dict(), "kvm+swa": dict(alt_mixer="swa", alt_every=2), "full": dict(mixer="full")}
@@ -34,12 +35,7 @@ def tiny(arch="kvm", seed=0) -> KVMForCausalLM:
     lm = KVMLanguageModel(KVMModelConfig(vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, chunk_len=8,
                                          n_bswa_chunks=2, budget={"kind": "power_law", "factor": 2.0, "min_len": 8},
                                          swa_window=8, **ARCHS[arch]))
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if name.endswith("c_proj.weight") or "v_gate1" in name:
-                p.normal_(std=0.2)
-            elif name.endswith("wte.weight"):
-                p.normal_()
+    perturb_identity_init(lm)   # the paper init makes blocks the identity
     return KVMForCausalLM.from_language_model(lm).eval()
 
 

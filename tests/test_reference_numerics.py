@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvmeans.models import KVMLanguageModel, KVMModelConfig
 from kvmeans.ops import KVMState, StateBudget, kvm_attention
+from kvmeans.utils.testing import perturb_identity_init
 
 BF16 = torch.bfloat16
 
@@ -177,12 +178,7 @@ def _tiny_lm(dtype, numerics="reference"):
                                          chunk_len=4, n_bswa_chunks=2, rope_reference_bf16=True,
                                          budget={"kind": "power_law", "factor": 2.0, "exponent": 0.5, "min_len": 4},
                                          kvm_numerics=numerics))
-    with torch.no_grad():                                # the paper init makes blocks the identity: perturb
-        for name, w in lm.named_parameters():
-            if name.endswith("c_proj.weight") or "v_gate1" in name:
-                w.normal_(std=0.2)
-            elif name.endswith("wte.weight"):
-                w.normal_()
+    perturb_identity_init(lm)   # the paper init makes blocks the identity
     return lm.to(dtype).eval()
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 # relative RMS error allowed against the float64/float32 spec, per input dtype
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -31,3 +31,19 @@ def make_inputs(B=2, H=4, Hkv=2, T=37, D=8, Dv=None, dtype=torch.float64, seed=0
     t = dict(q=r(B, H, T, D), k=r(B, Hkv, T, D), v=r(B, Hkv, T, Dv), gate=u(B, Hkv, T) + 0.5,
              state_norm_weight=1 + 0.3 * r(D), state_norm_bias=0.3 * r(D), state_temp=u(H) + 0.5, bswa_temp=u(H) + 0.5)
     return {k: v.to(dtype).requires_grad_(requires_grad) for k, v in t.items()}
+
+
+@torch.no_grad()
+def perturb_identity_init(model: nn.Module, std: float = 0.2) -> nn.Module:
+    """Make a freshly initialised GPTAlpha-2 model non-trivial for tests (in place; returns it).
+
+    The paper's init zeroes every block's output projection and the value-residual LoRA, so each
+    block is the identity: draw those (``std``) and the embedding (unit normal) at random instead.
+    """
+    for name, p in model.named_parameters():
+        if name.endswith("c_proj.weight") or "v_gate1" in name:
+            p.normal_(std=std)
+        elif name.endswith("wte.weight"):
+            p.normal_()
+    return model
+
