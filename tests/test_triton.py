@@ -224,6 +224,105 @@ def test_gradients_through_a_carried_state():
     compare(ref, (y, s, dict(zip(NAMES, grads))))
 
 
+# ---- decode: Triton state update (route_overflow_triton + scatter_add_rows), persistent lengths -----------
+# C=4 so that 30 tokens cross 5-6 chunk-boundary updates; fixed and growing budgets, sinks 0/1/2, GQA
+DECODE_CASES = [
+    (30, 4, 1, 0, StateBudget.fixed(8), 4, 2, 4),
+    (30, 4, 1, 1, StateBudget.power_law(2, 0.5, min_len=4), 4, 1, 4),
+    (30, 4, 2, 2, StateBudget.fixed(12), 4, 2, 0),
+]
+
+
+def decode_token_by_token(backend, inputs, case, after_step=None):
+    ys, state = [], None
+    with torch.no_grad():
+        for p in range(case[0]):
+            y, state = call(backend, inputs, p, p + 1, case, state)
+            ys.append(y)
+            if after_step is not None:
+                after_step(p, state)
+    return torch.cat(ys, 2), state
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypatch):
+    """Token-by-token decode with backend="triton": outputs equal naive (fp32 tolerance) and the final state
+    rows equal the torch recurrent path's bit for bit (same routes, same fp32 sums); the torch routing is
+    never called, the update kernels are (once per boundary)."""
+    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.triton.update as upd_mod
+    T, C = case[0], case[1]
+    inputs = inputs_for(T, case[5], case[6])
+    y_ref, s_ref = call("naive", inputs, 0, T, case)
+    y_rec, s_rec = decode_token_by_token("recurrent", inputs, case)
+
+    calls = {"route": 0, "scatter": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    def torch_routing(*a, **k):
+        raise AssertionError("torch route_overflow called on the triton decode path")
+    monkeypatch.setattr(upd_mod, "route_overflow_triton", counted("route", upd_mod.route_overflow_triton))
+    monkeypatch.setattr(upd_mod, "scatter_add_rows", counted("scatter", upd_mod.scatter_add_rows))
+    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    y_tri, s_tri = decode_token_by_token("triton", inputs, case)
+
+    updates = (s_ref.coverage - C) // C
+    assert updates >= 4 and calls == {"route": updates, "scatter": 3 * updates}
+    assert s_tri.num_rows < s_tri.coverage                   # merges happened (not only appends)
+    compare((y_ref, s_ref, {}), (y_tri, s_tri, {}))
+    assert (s_rec.num_rows, s_rec.coverage, s_rec.seen_tokens) == (s_tri.num_rows, s_tri.coverage, s_tri.seen_tokens)
+    for name, a, b in zip(("keys", "values", "radii", "window keys", "window values", "window gates"),
+                          (*s_rec.rows(), *s_rec.window()), (*s_tri.rows(), *s_tri.window())):
+        assert torch.equal(a, b), name
+    assert_close("y vs recurrent", y_rec, y_tri, TOL)
+    with pytest.raises(AssertionError, match="torch route_overflow called"):   # the patch hits the torch path
+        decode_token_by_token("recurrent", inputs, case)
+
+
+def test_decode_lengths_are_a_persistent_device_buffer(monkeypatch):
+    """Between chunk boundaries a triton decode step updates the same int32 lengths tensor in place (same
+    object, same data_ptr) and builds no tensor on the host (no torch.tensor call)."""
+    case = DECODE_CASES[0]
+    C = case[1]
+    inputs = inputs_for(case[0], case[5], case[6])
+    made = []
+    real_tensor = torch.tensor
+
+    def counting_tensor(*a, **k):
+        made.append(a)
+        return real_tensor(*a, **k)
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    seen, steady = [], 0
+
+    def after_step(p, state):
+        nonlocal steady
+        if p == 0:          # the first call (empty state) runs the chunked path, not the decode kernel
+            made.clear()
+            return
+        buf = state._lengths[0]
+        rows = state.num_rows if state.window_start > 0 else 0
+        assert buf.dtype == torch.int32 and buf.device == DEV and buf.tolist() == [rows, state.window_len]
+        if seen:            # one buffer for the whole decode (the row buffers grow, the lengths stay)
+            assert buf is seen[-1][0] and buf.data_ptr() == seen[-1][1], p
+        if p % C and p > 1:     # between boundaries: no tensor built on the host
+            assert not made, (p, made)
+            steady += 1
+        seen.append((buf, buf.data_ptr()))
+        made.clear()
+    _, state = decode_token_by_token("triton", inputs, case, after_step)
+    assert steady >= 20
+    before = state._lengths[0].tolist()
+    copy = state.clone()                                # a copy gets its own buffer when it continues
+    with torch.no_grad():
+        call("triton", inputs, case[0] - 1, case[0], case, copy)
+    assert copy._lengths[0] is not state._lengths[0] and state._lengths[0].tolist() == before
+
+
 # ---- dispatch --------------------------------------------------------------------------------
 def test_auto_uses_the_torch_path_off_cuda(monkeypatch):
     def boom(*a, **k):

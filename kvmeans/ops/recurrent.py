@@ -5,6 +5,13 @@ holds ``L + C`` tokens and slides by one chunk when a block leaves it (one copy 
 The JIT-normalised state is cached between chunk boundaries, so a decode step costs
 O((rows + window) * D) per head and never grows with the tokens seen.
 Deviation from ``naive.py``: temperatures are applied to the query instead of the keys (same product).
+
+``attn="triton"``: the attention of a step runs :func:`kvmeans.ops.triton.decode.decode_attention` and a
+chunk-boundary update routes with :func:`kvmeans.ops.triton.update.route_overflow_triton` and accumulates
+with :func:`kvmeans.ops.triton.update.scatter_add_rows` (same routes and, on fp32 sums, the same rows as
+the torch update). The decode kernel reads ``[rows, window_len]`` from ``state._lengths``, an int32 device
+tensor allocated with the buffers and updated in place (a device-side ``add_`` between chunk boundaries),
+so a steady-state step builds no tensor on the host and launches with the same shapes and pointers.
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
         state.window_values[:, :, at] = v[:, :, new]
         state.window_gates[:, :, at] = gate[:, :, new]
         absorb(state, state.window_keys, state.window_values, state.window_gates, w_start, e, budget, ln,
-               gate_keys, gate_values, gate_appends)
+               gate_keys, gate_values, gate_appends, attn=attn)
         drop = bswa_begin(e, C, n) - w_start
         if drop:                                          # slide the window by the block(s) that left it
             keep = e - w_start - drop
@@ -74,6 +81,10 @@ def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
     fresh.window_keys[:, :, :w], fresh.window_values[:, :, :w], fresh.window_gates[:, :, :w] = wk, wv, wg
     for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
         setattr(state, name, getattr(fresh, name))
+    # the decode kernel's [rows, window_len] (int32, on the device; _decode_lengths keeps it current): kept when
+    # an owned state grows its rows, new for a state that is not owned yet (a copy must not share it)
+    if not state._owned or getattr(state, "_lengths", None) is None:
+        state._lengths = (torch.zeros(2, dtype=torch.int32, device=keys.device), [0, 0])
     state._owned, state._readout = True, None
 
 
@@ -84,14 +95,15 @@ def _reserve_rows(state: KVMState, rows: int) -> None:
 
 
 def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin: int, total: int, budget, ln,
-           gate_keys=True, gate_values=True, gate_appends=False) -> list:
+           gate_keys=True, gate_values=True, gate_appends=False, attn="torch") -> list:
     """Bring the state rows up to date for a sequence of ``total`` tokens, in place: copy the first
     chunk, then absorb every block that has left the window. Token ``p`` is read from
     ``keys/values/gates[:, :, p - origin]`` (``[B, Hkv, N, D]``, ``[B, Hkv, N, Dv]``, ``[B, Hkv, N]``).
 
     Returns what happened, ``[(start, n_tokens, dest, appended)]``: ``dest [B, Hkv, n]`` rows the tokens
     joined and ``appended [B, Hkv, n]`` which created them (both None for the initial copy, whose
-    tokens become rows ``rows_before, ...`` in order).
+    tokens become rows ``rows_before, ...`` in order). ``attn="triton"``: the updates use the Triton
+    routing / scatter kernels (:func:`_update`).
     """
     C, cov, records = state.chunk_len, state.coverage, []
     fill = min(total, C) - cov
@@ -107,27 +119,41 @@ def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin:
     for step in plan_updates(budget, state.coverage, state.num_rows, total, C, state.n_bswa_chunks):
         loc = slice(step.start - origin, step.start + C - origin)
         dest, app = _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys,
-                            gate_values, gate_appends)
+                            gate_values, gate_appends, attn)
         records.append((step.start, C, dest, app))
     return records
 
 
-def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends):
+def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends, attn="torch"):
     """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state;
-    returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``."""
+    returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``. ``attn="triton"`` (fp32 state): routing by
+    ``route_overflow_triton`` (same rule and ties as ``route_overflow``), sums by ``scatter_add_rows``."""
     kbar = memory_keys(kb, state.rope_dim, *ln)
     everyone = torch.ones_like(gb, dtype=torch.bool)
     ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
                              gate_appends=gate_appends)
     rows_hat, _ = _readout_cached(state, ln)         # LN_s of the state: shared with the attention readout
-    dest, app = route_overflow(rows_hat, kbar, state_layer_norm(ak, *ln), step.n_append, state.sink_len)
+    fused = attn == "triton" and state.keys.dtype == torch.float32 and state.radii.dtype == torch.float32
+    if fused:
+        from .triton import update as tri
+        route = tri.route_overflow_triton
+    else:
+        route = route_overflow
+    dest, app = route(rows_hat, kbar, state_layer_norm(ak, *ln), step.n_append, state.sink_len)
     dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
                                 gate_appends=gate_appends)
     _reserve_rows(state, step.rows_after)
     m1 = step.rows_after
-    state.keys[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dk), dk)
-    state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
-    state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
+    if fused:                                        # fp32 atomics into the preallocated buffers
+        d32 = dest.to(torch.int32)
+        tri.scatter_add_rows(state.keys, d32, dk)
+        tri.scatter_add_rows(state.values, d32, dv)
+        radius = torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad)
+        tri.scatter_add_rows(state.radii.unsqueeze(-1), d32, radius.unsqueeze(-1))
+    else:
+        state.keys[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dk), dk)
+        state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
+        state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
     state.num_rows, state.coverage, state._readout = m1, step.start + state.chunk_len, None
     return dest, app
 
@@ -170,6 +196,25 @@ def _attend_triton(state: KVMState, q: Tensor, ln, state_temp, bswa_temp, scale)
     if state.window_start > 0:
         k_hat, v_hat = _readout_cached(state, ln)
         rows = state.num_rows
-    lengths = torch.tensor([rows, state.window_len], dtype=torch.int32, device=q.device)
+    lengths = _decode_lengths(state, rows, state.window_len, q.shape[2])
     return decode_attention(q, k_hat, v_hat, state.window_keys, state.window_values, lengths, state_temp, bswa_temp,
                             scale)
+
+
+def _decode_lengths(state: KVMState, rows: int, window_len: int, t: int) -> Tensor:
+    """The persistent int32 ``[rows, window_len]`` device tensor of the decode kernel, brought up to date in
+    place. Between chunk boundaries (rows unchanged, the window grown by the ``t`` new tokens) that is one
+    device-side ``lengths[1:] += t``: no host tensor, no host-to-device copy, and the same tensor (pointer)
+    every step, so a steady-state step could be replayed from a CUDA graph. At a boundary (absorb, slide,
+    a state another path advanced) both entries are rewritten with ``fill_``."""
+    held = getattr(state, "_lengths", None)
+    if held is None or held[0].device != state.device:   # an owned state from before this buffer existed
+        held = state._lengths = (torch.zeros(2, dtype=torch.int32, device=state.device), [0, 0])
+    buf, host = held                                     # host: what buf holds, mirrored without a sync
+    if host[0] == rows and host[1] + t == window_len:
+        buf[1:].add_(t)
+    elif host != [rows, window_len]:
+        buf[0].fill_(rows)
+        buf[1].fill_(window_len)
+    host[0], host[1] = rows, window_len
+    return buf

@@ -10,7 +10,9 @@ CUDA-graph friendly: the active state rows and the window length are read from d
 (``lengths = [rows, window_len]``), not Python ints, so one compiled kernel with fixed buffer pointers
 serves every step between chunk-boundary updates (the buffers are the state's preallocated ones; rows
 ``>= lengths[0]`` and window slots ``>= lengths[1]`` are never read). A state that is not active yet
-(``window_start == 0``) is ``lengths[0] = 0``: no separate kernel variant.
+(``window_start == 0``) is ``lengths[0] = 0``: no separate kernel variant. The recurrent path passes one
+persistent ``lengths`` per state (``state._lengths``, see ``kvmeans.ops.recurrent._decode_lengths``),
+advanced in place on the device between chunk boundaries.
 """
 from __future__ import annotations
 
