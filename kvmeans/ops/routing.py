@@ -51,8 +51,20 @@ def readout(keys: Tensor, values: Tensor, radii: Tensor, value_radius: bool, wei
     return k_hat, v_hat
 
 
+def merge_scores(sel: Tensor, rows_hat: Tensor, s: int):
+    """Scores of tokens ``sel [..., N, D]`` against rows ``rows_hat [..., M, D]``: ``(best, target, novelty)``,
+    each ``[..., N]``: max / argmax of ``k_bar_j . LN_s(s_i)`` over the non-sink rows ``i >= s`` (lowest index
+    on ties) and the novelty ``max`` over all rows, sinks included."""
+    logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [..., N, M]
+    cand = logits[..., s:]                                      # merge candidates: non-sink rows
+    best, target = cand.amax(-1), cand.argmax(-1) + s           # (amax + argmax beat max() on CPU; first max wins)
+    novelty = torch.maximum(best, logits[..., :s].amax(-1)) if s else best
+    return best, target, novelty
+
+
 @torch.no_grad()
-def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_append: int, sink_len: int):
+def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_append: int, sink_len: int,
+                   scores=merge_scores):
     """Decide the fate of one overflow block (paper "Append" and "Merge").
 
     Args:
@@ -61,22 +73,21 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
         append_keys_hat: ``[B, Hkv, C, D]`` LN_s of the key each token would get as a new row.
         n_append: tokens to append (the same for every sequence and head: the schedule is positional).
         sink_len: leading rows that are never merge targets.
+        scores: the scoring pass, ``scores(sel, rows_hat, s) -> (best, target, novelty)`` (see
+            :func:`merge_scores`; the Triton backend passes its kernel, same rule and ties).
     Returns:
         ``dest [B, Hkv, C]`` long, the row each token joins (appended tokens get new rows
         ``m, m+1, ...`` in token order), and ``appended [B, Hkv, C]`` bool.
     """
     m, n_tok = rows_hat.shape[-2], sel.shape[-2]
     s = min(sink_len, m)
-    logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [B, Hkv, C, m]
-    cand = logits[..., s:]                                      # merge candidates: non-sink rows
-    best, target = cand.amax(-1), cand.argmax(-1) + s           # (amax + argmax beat max() on CPU; first max wins)
+    best, target, novelty = scores(sel, rows_hat, s)
     if n_append >= n_tok:
         appended = torch.ones(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     elif n_append <= 0:
         appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     else:
-        # s_j = max_i k_bar_j . LN_s(s_i) over all rows, sinks included: the least redundant tokens are appended
-        novelty = torch.maximum(best, logits[..., :s].amax(-1)) if s else best
+        # the least redundant tokens (lowest novelty: max over all rows, sinks included) are appended
         order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
         appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device).scatter_(-1, order, True)
     new_rows = m + appended.cumsum(-1) - 1
@@ -88,8 +99,7 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
         # on equal scores the lower row index wins, as torch.max does within each part
         token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
         added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
-        new_logits = sel @ added.transpose(-1, -2)
-        best_new, idx_new = new_logits.amax(-1), new_logits.argmax(-1)
+        best_new, idx_new, _ = scores(sel, added, 0)
         take_new = best_new > best if m > s else torch.ones_like(appended)
         target = torch.where(take_new, idx_new + m, target)
     return torch.where(appended, new_rows, target), appended

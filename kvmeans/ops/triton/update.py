@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..routing import route_overflow
 from .attention import INTERPRETED, _pow2, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
@@ -106,31 +107,9 @@ def route_scores(sel: Tensor, rows_hat: Tensor, sink_len: int):
     return best, target.long(), novel
 
 
-@torch.no_grad()
 def route_overflow_triton(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_append: int, sink_len: int):
     """:func:`kvmeans.ops.routing.route_overflow` with the scoring passes in :func:`route_scores`."""
-    m, n_tok = rows_hat.shape[-2], sel.shape[-2]
-    s = min(sink_len, m)
-    best, target, novelty = route_scores(sel, rows_hat, s)
-    shape = sel.shape[:-1]
-    if n_append >= n_tok:
-        appended = torch.ones(shape, dtype=torch.bool, device=sel.device)
-    elif n_append <= 0:
-        appended = torch.zeros(shape, dtype=torch.bool, device=sel.device)
-    else:
-        order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
-        appended = torch.zeros(shape, dtype=torch.bool, device=sel.device).scatter_(-1, order, True)
-    new_rows = m + appended.cumsum(-1) - 1
-    if bool(appended.all()):
-        return new_rows, appended
-    n_new = min(max(n_append, 0), n_tok)
-    if n_new:
-        token_idx = torch.sort(appended.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_new]
-        added = append_keys_hat.gather(-2, token_idx.unsqueeze(-1).expand(-1, -1, -1, sel.shape[-1]))
-        best_new, idx_new, _ = route_scores(sel, added, 0)
-        take_new = best_new > best if m > s else torch.ones_like(appended)
-        target = torch.where(take_new, idx_new + m, target)
-    return torch.where(appended, new_rows, target), appended
+    return route_overflow(rows_hat, sel, append_keys_hat, n_append, sink_len, scores=route_scores)
 
 
 def scatter_add_rows(dst: Tensor, dest: Tensor, src: Tensor) -> Tensor:
