@@ -61,6 +61,42 @@ def _query_rows(pid_m, c, kvh, q_lo, q_hi, C, REP: tl.constexpr, BLOCK_M: tl.con
     return kvh * REP + j, qpos, ok
 
 
+@triton.jit
+def _softmax_step(q, k, v, scale, valid, m_i, l_i, acc, PREC: tl.constexpr):
+    """One key tile of the online softmax: scores ``q . k * scale`` (base 2, ``scale`` per query row),
+    ``valid`` masks them; returns the updated running max, sum and output accumulator."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale[:, None]
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dq_step(q, k, v, do, lse, delta, scale, valid, PREC: tl.constexpr):
+    """dS @ K of one key tile (flash-attention-2): P recomputed from the LSE, ``dS = P * (dO . V - delta)``."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale[:, None]
+    p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+
+
+@triton.jit
+def _dkv_step(k, v, q, do, lse, delta, scale, valid_t, PREC: tl.constexpr):
+    """``(dV, dS^T @ Q)`` contributions of one query tile to a key tile, computed transposed
+    (``valid_t [keys, queries]``); the caller applies the key's temperature to the second."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * scale
+    p_t = tl.where(valid_t, tl.math.exp2(s_t - lse[None, :]), 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    return dv, tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+
+
 @triton.jit(do_not_specialize=_POS_ARGS)
 def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
                 s_qb, s_qh, s_qt, s_ob, s_oh, s_ot,
@@ -92,14 +128,7 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
             kmask = rows < n_rows
             k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * st[:, None]
-            s = tl.where(ok[:, None] & kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, st, ok[:, None] & kmask[None, :], m_i, l_i, acc, PREC)
     # window: keys [(c+1-n)*C, (c+1)*C) that exist, causal
     lo = tl.maximum((c + 1 - NB) * C, k_start)
     hi = tl.minimum((c + 1) * C, tl.minimum(k_start + NK, q_hi))
@@ -110,14 +139,8 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
         kmask = kpos < hi
         k = tl.load(wk + (kpos - k_start)[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(wv + (kpos - k_start)[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * bt[:, None]
-        s = tl.where(ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, bt, ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None]),
+                                      m_i, l_i, acc, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(O + b * s_ob + head[:, None] * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
@@ -162,11 +185,7 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
             kmask = rows < n_rows
             k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * (st * log2_scale)[:, None]
-            p = tl.where(ok[:, None] & kmask[None, :], tl.math.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = p * (dp - delta[:, None])
-            dq_s += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+            dq_s += _dq_step(q, k, v, do, lse, delta, st * log2_scale, ok[:, None] & kmask[None, :], PREC)
     lo = tl.maximum((c + 1 - NB) * C, k_start)
     hi = tl.minimum((c + 1) * C, tl.minimum(k_start + NK, q_hi))
     wk = WK + b * s_wkb + kvh * s_wkh
@@ -176,12 +195,8 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
         kmask = kpos < hi
         k = tl.load(wk + (kpos - k_start)[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(wv + (kpos - k_start)[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * (bt * log2_scale)[:, None]
         valid = ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
-        p = tl.where(valid, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq_w += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq_w += _dq_step(q, k, v, do, lse, delta, bt * log2_scale, valid, PREC)
     qf = q.to(tl.float32)
     tl.store(TS + row, tl.sum(qf * dq_s, 1) * sm_scale, mask=ok)
     tl.store(TW + row, tl.sum(qf * dq_w, 1) * sm_scale, mask=ok)
@@ -228,12 +243,10 @@ def _bwd_dkv_state_kernel(Q, SK, SV, ROWS, STEMP, DO, LSE, DELTA, DSK, DSV,
                 row = (b * HKV * REP + head) * TQ + qpos - q_start
                 lse = tl.load(LSE + row, mask=qm, other=0.0)
                 delta = tl.load(DELTA + row, mask=qm, other=0.0)
-                sT = tl.dot(k, tl.trans(q), input_precision=PREC) * (st * 1.4426950408889634)
-                pT = tl.where(kmask[:, None] & qm[None, :], tl.math.exp2(sT - lse[None, :]), 0.0)
-                dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
-                dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-                dsT = pT * (dpT - delta[None, :])
-                dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC) * st
+                dv_t, dk_t = _dkv_step(k, v, q, do, lse, delta, st * 1.4426950408889634,
+                                       kmask[:, None] & qm[None, :], PREC)
+                dv += dv_t
+                dk += dk_t * st
         tl.store(DSK + k_off, dk.to(DSK.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
         tl.store(DSV + v_off, dv.to(DSV.dtype.element_ty), mask=kmask[:, None] & dvmask[None, :])
 
@@ -276,14 +289,11 @@ def _bwd_dkv_window_kernel(Q, WK, WV, BTEMP, DO, LSE, DELTA, DWK, DWV,
             row = (b * HKV * REP + head) * TQ + qpos - q_start
             lse = tl.load(LSE + row, mask=qm, other=0.0)
             delta = tl.load(DELTA + row, mask=qm, other=0.0)
-            sT = tl.dot(k, tl.trans(q), input_precision=PREC) * (bt * 1.4426950408889634)
             first = ((qpos // C) + 1 - NB) * C                     # window start of each query's chunk
             valid = kmask[:, None] & qm[None, :] & (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] >= first[None, :])
-            pT = tl.where(valid, tl.math.exp2(sT - lse[None, :]), 0.0)
-            dv += tl.dot(pT.to(do.dtype), do, input_precision=PREC)
-            dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dsT = pT * (dpT - delta[None, :])
-            dk += tl.dot(dsT.to(q.dtype), q, input_precision=PREC) * bt
+            dv_t, dk_t = _dkv_step(k, v, q, do, lse, delta, bt * 1.4426950408889634, valid, PREC)
+            dv += dv_t
+            dk += dk_t * bt
     tl.store(DWK + k_off, dk.to(DWK.dtype.element_ty), mask=kmask[:, None] & dmask[None, :])
     tl.store(DWV + v_off, dv.to(DWV.dtype.element_ty), mask=kmask[:, None] & dvmask[None, :])
 

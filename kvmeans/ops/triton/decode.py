@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import INTERPRETED, _pow2, dot_precision
+from .attention import INTERPRETED, _pow2, _softmax_step, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]
@@ -62,14 +62,7 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
         kmask = rows < n_rows
         k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * st[:, None]
-        s = tl.where(ok[:, None] & kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, st, ok[:, None] & kmask[None, :], m_i, l_i, acc, PREC)
     wk = WK + b * s_wkb + kvh * s_wkh
     wv = WV + b * s_wvb + kvh * s_wvh
     last = w_len - T + i                      # window slot of each query: the t new tokens end the window
@@ -78,14 +71,8 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
         kmask = w < w_len
         k = tl.load(wk + w[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(wv + w[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * bt[:, None]
-        s = tl.where(ok[:, None] & kmask[None, :] & (w[None, :] <= last[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, bt, ok[:, None] & kmask[None, :] & (w[None, :] <= last[:, None]),
+                                      m_i, l_i, acc, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(O + b * s_ob + head[:, None] * s_oh + i[:, None] * s_ot + offs_dv[None, :],
              out.to(O.dtype.element_ty), mask=ok[:, None] & dvmask[None, :])
