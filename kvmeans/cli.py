@@ -5,16 +5,12 @@ import argparse
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .utils.cli import run_subcommand
+
 
 def _bench(argv: List[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvmeans bench ops [options]   (kvmeans bench ops --help)")
-        return 0
-    if argv[0] != "ops":
-        print(f"kvmeans bench: unknown benchmark {argv[0]!r}; available: ops", file=sys.stderr)
-        return 2
-    from .bench.ops import main
-    return main(argv[1:])
+    return run_subcommand("kvmeans bench", "benchmark", {
+        "ops": ("kvmeans.bench.ops", "KVM vs SDPA: prefill, backward, decode, memory (`kvmeans bench ops --help`)")}, argv)
 
 
 def _demo(argv: List[str]) -> int:
@@ -151,14 +147,8 @@ def _train(argv: List[str]) -> int:
 
 
 def _data(argv: List[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvmeans data prepare --input PATH... --out DIR [options]   (kvmeans data prepare --help)")
-        return 0
-    if argv[0] != "prepare":
-        print(f"kvmeans data: unknown action {argv[0]!r}; available: prepare", file=sys.stderr)
-        return 2
-    from .train.prepare import main
-    return main(argv[1:])
+    return run_subcommand("kvmeans data", "action", {
+        "prepare": ("kvmeans.train.prepare", "tokenize files into a token file: `--input PATH... --out DIR`")}, argv)
 
 
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
