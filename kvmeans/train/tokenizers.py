@@ -76,6 +76,32 @@ def gpt2_hf_tokenizer():
     return hf_tokenizer(gpt2_tokenizer())
 
 
+def model_tokenizer(model_dir: Union[str, os.PathLike]):
+    """The tokenizer of a saved model directory, as a ``PreTrainedTokenizerFast``-like object:
+    ``AutoTokenizer``, else a bare ``tokenizer.json``; for an authors'-layout directory whose
+    ``tokenizer_config.json`` names GPT-2's tokenizer without its vocabulary files, GPT-2's built offline.
+    Raises ``FileNotFoundError`` when none applies."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        if getattr(tok, "vocab_size", 1):
+            return tok
+        err: Any = "it found a tokenizer_config.json but no vocabulary"   # transformers 5 builds an empty one
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        err = exc
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        return PreTrainedTokenizerFast(tokenizer_file=str(path))
+    cls = ""
+    try:
+        cls = str(json.loads((Path(model_dir) / "tokenizer_config.json").read_text()).get("tokenizer_class", ""))
+    except (OSError, ValueError):
+        pass
+    if cls.startswith("GPT2"):               # names GPT-2's tokenizer without its vocabulary files
+        return gpt2_hf_tokenizer()
+    raise FileNotFoundError(f"{model_dir}: no tokenizer (AutoTokenizer: {err}; no tokenizer.json)")
+
+
 def builtin_tokenizer_id(vocab_size: int) -> str:
     return f"kvmeans-bpe-{int(vocab_size)}"
 
