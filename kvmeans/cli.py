@@ -18,12 +18,13 @@ def _demo(argv: List[str]) -> int:
     return main(argv)
 
 
-def _need_hf(cmd: str) -> bool:
+def _need_hf(cmd: str, extra: str = "hf") -> bool:
+    """True when transformers and safetensors import; else say which extra installs them."""
     try:
         import safetensors  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
-        print(f"kvmeans {cmd}: needs transformers and safetensors: pip install 'kvmeans[hf]'", file=sys.stderr)
+        print(f"kvmeans {cmd}: needs transformers and safetensors: pip install 'kvmeans[{extra}]'", file=sys.stderr)
         return False
     return True
 

@@ -149,8 +149,8 @@ def format_table(results: Dict[str, Any]) -> str:
         rows_s = "/".join(str(x) for x in rows) if rows else "-"
         lines.append(f"{LABELS.get(name, name):<{name_w}}" + "".join(f"{e['cache_bytes'] / 1024:>14,.1f}" for e in ev)
                      + f"{rows_s:>17}{ev[-1]['decode_ms_per_token']:>15.2f}")
-    lines.append(f"(cache KB = bytes held after prefilling each length; state rows per KVM layer; decode time "
-                 f"per token after the longest prefill)")
+    lines.append("(cache KB = bytes held after prefilling each length; state rows per KVM layer; decode time "
+                 "per token after the longest prefill)")
     return "\n".join(lines)
 
 

@@ -244,16 +244,12 @@ def main(argv: List[str]) -> int:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
     except ValueError as err:
         p.error(str(err))
-    try:
-        import safetensors  # noqa: F401
-        import torch
-        import transformers  # noqa: F401
-    except ImportError:
-        print(f"{prog}: needs transformers and safetensors: pip install 'kvmeans[eval]'", file=sys.stderr)
+    from ..cli import _load_tokenizer, _need_hf
+    if not _need_hf("eval niah", extra="eval"):
         return 2
+    import torch
     from transformers.utils import logging as hf_logging
 
-    from ..cli import _load_tokenizer
     from ..models.hf import KVMForCausalLM
 
     if not os.path.isdir(a.model):

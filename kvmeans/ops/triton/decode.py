@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
