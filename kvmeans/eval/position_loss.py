@@ -30,7 +30,6 @@ per block, one curve per model). Loss is in nats.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import sys
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..bench.report import write_csv
 from ..train.data import TokenFile
 from ..utils.io import atomic_write, atomic_write_text
 
@@ -227,6 +227,10 @@ def plot_position_loss(path: Union[str, Path], results: Sequence[Dict[str, Any]]
     return Path(path)
 
 
+_CSV = ["label", "model", "block_start", "block_end", "tokens", "sum_nll", "mean_loss"]
+_BLOCK_KEYS = ("start", "end", "count", "sum", "mean")
+
+
 def write_outputs(out_dir: Union[str, Path], results: Sequence[Dict[str, Any]],
                   config: Dict[str, Any]) -> Dict[str, Path]:
     """``position_loss.json``, ``.csv`` and ``.png`` in ``out_dir`` (each atomically)."""
@@ -234,15 +238,8 @@ def write_outputs(out_dir: Union[str, Path], results: Sequence[Dict[str, Any]],
     paths = {"json": out / "position_loss.json", "csv": out / "position_loss.csv", "png": out / "position_loss.png"}
     atomic_write_text(paths["json"], json.dumps({"config": config, "models": list(results)}, indent=1) + "\n")
 
-    def write_csv(tmp):
-        with open(tmp, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["label", "model", "block_start", "block_end", "tokens", "sum_nll", "mean_loss"])
-            for r in results:
-                b = r["blocks"]
-                for s, e, c, tot, m in zip(b["start"], b["end"], b["count"], b["sum"], b["mean"]):
-                    w.writerow([r["label"], r["model"], s, e, c, repr(tot), "" if m is None else repr(m)])
-    atomic_write(paths["csv"], write_csv)
+    write_csv(paths["csv"], _CSV, [dict(zip(_CSV, (r["label"], r["model"], *block)))
+                                   for r in results for block in zip(*(r["blocks"][k] for k in _BLOCK_KEYS))])
     title = f"loss by position: {config.get('num_docs')} documents x {config.get('ctx')} tokens, blocks of " \
             f"{config.get('block')} ({Path(str(config.get('data'))).name})"
     if plot_position_loss(paths["png"], results, title) is None:
