@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .routing import memory_keys, state_layer_norm
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
 
@@ -56,12 +57,11 @@ def reference_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state
     C, n, S, r = state.chunk_len, state.n_bswa_chunks, state.sink_len, state.rope_dim
     H, D = q.shape[1], q.shape[3]
     md = q.dtype
-    w = None if state_norm_weight is None else state_norm_weight.to(md)
-    b = None if state_norm_bias is None else state_norm_bias.to(md)
-    ln = lambda x: F.layer_norm(x, x.shape[-1:], w, b, state_norm_eps)   # noqa: E731  (md in, md out)
+    ln_args = (state_norm_weight, state_norm_bias, state_norm_eps)     # LN_s in md (affine cast to md)
+    ln = lambda x: state_layer_norm(x, *ln_args)                         # noqa: E731
     st, bt = state_temp.to(md).view(1, H, 1, 1), bswa_temp.to(md).view(1, H, 1, 1)
     sdpa_scale = None if scale == 1.0 / math.sqrt(D) else scale         # the reference uses SDPA's default
-    streams = dict(rope_dim=r, ln=ln, gate_keys=gate_keys, gate_values=gate_values, gate_appends=gate_appends,
+    streams = dict(rope_dim=r, ln_args=ln_args, gate_keys=gate_keys, gate_values=gate_values, gate_appends=gate_appends,
                    value_radius=state.value_radius)
 
     t0, T = state.seen_tokens, q.shape[2]
@@ -83,7 +83,7 @@ def reference_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state
 
         if cov < min(e, C):                   # initial state: prepared keys, raw values, fp32 radii
             idx = slice(cov - w_start, min(e, C) - w_start)
-            K = torch.cat([K, _prepare(wk[:, :, idx], r, ln)], 2)
+            K = torch.cat([K, memory_keys(wk[:, :, idx], r, *ln_args)], 2)
             V = torch.cat([V, wv[:, :, idx]], 2)
             R = torch.cat([R, _radius(wv[:, :, idx], state.value_radius)], 2)
             cov = min(e, C)
@@ -113,13 +113,6 @@ def _rep(x: Tensor, H: int) -> Tensor:
     return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
 
 
-def _prepare(k: Tensor, rope_dim: int, ln) -> Tensor:
-    """Select key = LN_s(k with its first ``rope_dim`` channels zeroed), in the model dtype."""
-    if rope_dim:
-        k = torch.cat([torch.zeros_like(k[..., :rope_dim]), k[..., rope_dim:]], -1)
-    return ln(k)
-
-
 def _radius(v: Tensor, value_radius: bool) -> Tensor:
     """fp32 radius of new rows (``|v|`` of the fp32 upcast), or a count of 1 for the ablation."""
     return torch.norm(v.float(), dim=-1) if value_radius else v.new_ones(v.shape[:-1], dtype=torch.float32)
@@ -129,10 +122,11 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
 
 
-def _update(K, V, R, kb, vb, gb, n_append: int, sink_len: int, *, rope_dim, ln, gate_keys, gate_values,
+def _update(K, V, R, kb, vb, gb, n_append: int, sink_len: int, *, rope_dim, ln_args, gate_keys, gate_values,
             gate_appends, value_radius):
     """One overflow block ``kb/vb/gb [B,Hkv,C,*]`` enters the state (reference-semantics 1.8)."""
-    sel = _prepare(kb, rope_dim, ln)                    # select key (ungated)
+    ln = lambda x: state_layer_norm(x, *ln_args)       # noqa: E731  (md in, md out)
+    sel = memory_keys(kb, rope_dim, *ln_args)           # select key (ungated), in md
     g = gb.unsqueeze(-1)
     mk = sel * g if gate_keys else sel                  # merge key / value (gated)
     mv = vb * g if gate_values else vb
