@@ -64,24 +64,100 @@ def compare(ref, out, tol):
         assert_close("d" + name, g0[name], g1[name], tol)
 
 
+@pytest.mark.parametrize("backward", ["graph", "reconstruct"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_chunked_matches_naive_float64(case):
+def test_chunked_matches_naive_float64(case, backward, monkeypatch):
+    monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     compare(outputs_and_grads("naive", case), outputs_and_grads("chunked", case), TOLERANCES[torch.float64])
 
 
+@pytest.mark.parametrize("backward", ["graph", "reconstruct"])
 @pytest.mark.parametrize("case", CASES[3:7], ids=case_id)
 @pytest.mark.parametrize("value_radius,gate_appends", [(False, False), (True, True)])
-def test_ablations_match_naive(case, value_radius, gate_appends):
+def test_ablations_match_naive(case, value_radius, gate_appends, backward, monkeypatch):
+    monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     kw = dict(value_radius=value_radius, gate_appends=gate_appends)
     compare(outputs_and_grads("naive", case, **kw), outputs_and_grads("chunked", case, **kw), 1e-10)
 
 
+@pytest.mark.parametrize("backward", ["graph", "reconstruct"])
 @pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[9]], ids=case_id)
-def test_checkpointed_and_many_groups_match_naive(case, monkeypatch):
+def test_many_groups_match_naive(case, backward, monkeypatch):
     ref = outputs_and_grads("naive", case)
-    monkeypatch.setattr(chunk_mod, "CHECKPOINT_BYTES", 0)           # checkpoint every group
+    monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)                # one chunk per group
+    sizes = []
+    real = chunk_mod._groups
+    monkeypatch.setattr(chunk_mod, "_groups", lambda *a: sizes.append(len(real(*a))) or real(*a))
     compare(ref, outputs_and_grads("chunked", case), 1e-10)
+    with torch.no_grad():                                            # the in-place prefill, same groups
+        inputs = make_inputs(H=case[5], Hkv=case[6], T=case[0], D=8, Dv=6, dtype=torch.float64, seed=0)
+        y, state = run("chunked", inputs, *case[:5], case[7])
+    compare(ref, (y, state, ref[2]), 1e-10)
+    assert sizes[0] == sizes[1] == -(-case[0] // case[1])            # one group per query chunk, both paths
+
+
+def test_auto_backward_switches_to_reconstruction_for_large_graphs(monkeypatch):
+    """"auto" keeps a graph for small calls and reconstructs past RECONSTRUCT_BYTES (same results)."""
+    import kvmeans.ops.chunk_reconstruct as rec
+    calls = []
+    real = rec._Reconstruct.apply
+    monkeypatch.setattr(rec._Reconstruct, "apply", lambda *a: calls.append(1) or real(*a))
+    ref = outputs_and_grads("naive", CASES[5])
+    compare(ref, outputs_and_grads("chunked", CASES[5]), 1e-10)
+    assert not calls
+    monkeypatch.setattr(chunk_mod, "RECONSTRUCT_BYTES", 0)
+    compare(ref, outputs_and_grads("chunked", CASES[5]), 1e-10)
+    assert calls
+
+
+def _saved_bytes(fn):
+    """Bytes autograd keeps for backward while ``fn`` runs (distinct storages)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+@pytest.mark.parametrize("budget", [StateBudget.fixed(128), StateBudget.power_law(8, 0.5, min_len=8)])
+def test_reconstruction_keeps_no_state_copy_per_chunk(budget, monkeypatch):
+    """Saved for backward: O(T + state), not O(chunks * state). 128 chunks, one per group, a state of up
+    to 128 rows: the graph keeps a snapshot per chunk; reconstruction a few tensors of token or state size."""
+    T, C, H, Hkv, D = 512, 4, 2, 2, 8
+    monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)
+    inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=D, Dv=D, dtype=torch.float32, seed=0, requires_grad=True)
+    call = lambda: kvm_attention(inputs["q"], inputs["k"], inputs["v"], inputs["gate"], chunk_len=C, n_bswa_chunks=2,
+                                 budget=budget, return_state=True, backend="chunked")
+    monkeypatch.setattr(chunk_mod, "BACKWARD", "graph")
+    graph, _ = _saved_bytes(call)
+    monkeypatch.setattr(chunk_mod, "BACKWARD", "reconstruct")
+    rec, (y, state) = _saved_bytes(call)
+    token_bytes = sum(t.numel() * 4 for t in (inputs["q"], inputs["k"], inputs["v"]))
+    rows = [state.num_rows] if budget.kind == "fixed" else [budget(c * C) for c in range(T // C)]
+    snapshots = sum(min(r, state.num_rows) for r in rows) * 2 * Hkv * (2 * D + 1) * 4 * (T // C - 2) // len(rows)
+    assert graph > snapshots                      # what reconstruction avoids
+    assert rec < 5 * token_bytes + 4 * state.nbytes, (rec, token_bytes, state.nbytes)
+    assert rec < snapshots / 3, (rec, snapshots)
+    y.sum().backward()                             # and it still differentiates
+    assert inputs["k"].grad is not None and torch.isfinite(inputs["k"].grad).all()
+
+
+def test_reconstruction_leaves_the_returned_state_free_to_advance(monkeypatch):
+    """The returned state is a cache: decoding from it in place must not break the pending backward."""
+    monkeypatch.setattr(chunk_mod, "BACKWARD", "reconstruct")
+    inputs = make_inputs(H=2, Hkv=2, T=40, D=8, Dv=8, dtype=torch.float64, seed=0, requires_grad=True)
+    kw = dict(chunk_len=4, n_bswa_chunks=2, budget=StateBudget.fixed(8), return_state=True)
+    y, state = kvm_attention(inputs["q"], inputs["k"], inputs["v"], inputs["gate"], backend="chunked", **kw)
+    ref = torch.autograd.grad(y.sum(), inputs["k"], retain_graph=True)[0]
+    with torch.no_grad():
+        more = make_inputs(H=2, Hkv=2, T=9, D=8, Dv=8, dtype=torch.float64, seed=1)
+        kvm_attention(more["q"], more["k"], more["v"], more["gate"], initial_state=state, backend="recurrent",
+                      **kw)
+    assert torch.equal(torch.autograd.grad(y.sum(), inputs["k"])[0], ref)
 
 
 @pytest.mark.parametrize("case", [CASES[3], CASES[9]], ids=case_id)

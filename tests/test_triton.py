@@ -179,13 +179,20 @@ def test_triton_prefill_no_grad_matches_naive(case):
     compare(outputs_and_grads("naive", case, grad=False), outputs_and_grads("triton", case, grad=False))
 
 
-def test_many_groups_and_checkpointing(monkeypatch):
-    """One query chunk per group (window slices per group) and every group checkpointed."""
+@pytest.mark.parametrize("backward", ["graph", "reconstruct"])
+def test_many_groups_both_backwards(backward, monkeypatch):
+    """One query chunk per group (window slices per group); the kernels' backward inside one autograd graph
+    and inside the reverse state reconstruction (saved output / LSE reused, no forward re-run)."""
     case = CASES[2]
     ref = outputs_and_grads("naive", case)
-    monkeypatch.setattr(chunk_mod, "CHECKPOINT_BYTES", 0)
+    monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)
+    launches, groups = [], []
+    real_fwd, real_groups = tri_attn._fwd, chunk_mod._groups
+    monkeypatch.setattr(tri_attn, "_fwd", lambda *a: launches.append(1) or real_fwd(*a))
+    monkeypatch.setattr(chunk_mod, "_groups", lambda *a: groups.append(len(real_groups(*a))) or real_groups(*a))
     compare(ref, outputs_and_grads("triton", case))
+    assert len(launches) == groups[0] >= 3              # one forward launch per group; backward re-runs none
     compare((ref[0], ref[1], {}), outputs_and_grads("triton", case, grad=False))
 
 
@@ -282,6 +289,26 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
     assert_close("y vs recurrent", y_rec, y_tri, TOL)
     with pytest.raises(AssertionError, match="torch route_overflow called"):   # the patch hits the torch path
         decode_token_by_token("recurrent", inputs, case)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_chunked_triton_routes_with_the_update_kernels(grad, monkeypatch):
+    """Prefill / training with backend="triton": the routing pass (grad) and the in-place prefill (no grad)
+    run the Triton routing / scatter kernels, never the torch routing; results equal naive."""
+    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.triton.update as upd_mod
+    case = DECODE_CASES[1]
+    ref = outputs_and_grads("naive", case, grad=grad)
+    calls = []
+    real = upd_mod.route_overflow_triton
+    monkeypatch.setattr(upd_mod, "route_overflow_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def torch_routing(*a, **k):
+        raise AssertionError("torch route_overflow called on the triton chunked path")
+    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    out = outputs_and_grads("triton", case, grad=grad)
+    assert len(calls) == (ref[1].coverage - case[1]) // case[1] >= 4
+    compare(ref, out)
 
 
 def test_decode_lengths_are_a_persistent_device_buffer(monkeypatch):

@@ -11,27 +11,30 @@ The state recurrence depends only on k, v and the gate, never on attention outpu
 3. attend all query chunks of a group to ``[readout(s(c)) ; window(c)]`` in one SDPA call with a
    boolean mask (rows not yet created and future window tokens hidden).
 
-Groups of chunks bound the working memory; under autograd a group is checkpointed when the
-activations saved for backward would be large, so backward never keeps a state copy per chunk.
+Groups of chunks bound the working memory. Under autograd, small calls keep one graph; large ones
+(and the Triton kernels) use :mod:`kvmeans.ops.chunk_reconstruct`, whose backward rebuilds each
+group's state in reverse from the final state, so no state copy per chunk is ever kept.
 Deviation from ``naive.py``: the order in which contributions are summed (tested within tolerance).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import List
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
+from .chunk_reconstruct import GroupPlan, reconstruct_attention
 from .routing import memory_keys, readout, token_streams
 from .schedule import bswa_begin, coverage_after, plan_updates
 from .recurrent import _readout_cached, absorb, own_buffers
 from .state import KVMState
 
-GROUP_BYTES = 256 << 20        # working set of one group's attention call
-CHECKPOINT_BYTES = 1 << 30     # checkpoint groups when activations saved for backward would exceed this
+GROUP_BYTES = 256 << 20        # working set of one group's attention call (CPU; a GPU's is sized by its memory)
+RECONSTRUCT_BYTES = 1 << 30    # "auto" backward: reconstruct the state when a graph would keep more than this
+BACKWARD = "auto"              # default of chunk_kvm_attention(backward=...): "auto" | "graph" | "reconstruct"
 
 
 @dataclass
@@ -48,17 +51,22 @@ class _Routes:
 
 def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
                         state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
-                        gate_appends=False, checkpoint_groups="auto", group_bytes=GROUP_BYTES, attn="torch"):
+                        gate_appends=False, backward=None, group_bytes=None, attn="torch"):
     """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`; returns ``(y, new_state)``.
 
-    ``checkpoint_groups``: True / False / "auto" (by estimated saved bytes); ``group_bytes`` bounds
-    the size of one batched attention call. ``attn``: "torch" (SDPA with a mask) or "triton" (the fused
+    ``backward`` (with autograd): ``"graph"`` keeps the activations of every chunk (fastest for small
+    calls), ``"reconstruct"`` keeps one final state and rebuilds each group's state in reverse during
+    backward (:mod:`kvmeans.ops.chunk_reconstruct`: memory O(T + state), not O(chunks * state));
+    ``"auto"`` picks reconstruct for the Triton kernels and for calls whose graph would exceed
+    ``RECONSTRUCT_BYTES``; None takes the module's ``BACKWARD``. ``group_bytes`` bounds the size of one batched
+    attention call (None: :func:`default_group_bytes`). ``attn``: "torch" (SDPA with a mask) or "triton" (the fused
     kernel of :mod:`kvmeans.ops.triton.attention`: no window copy per chunk, no repeated GQA keys).
     """
     C, n = state.chunk_len, state.n_bswa_chunks
     ln = (state_norm_weight, state_norm_bias, state_norm_eps)
     t0, T = state.seen_tokens, q.shape[2]
     t1, w0 = t0 + T, state.window_start
+    group_bytes = default_group_bytes(q.device) if group_bytes is None else group_bytes
     wk, wv, wg = state.window()
     if state.window_len:
         kk, vv, gg = torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)  # tokens [w0, t1)
@@ -74,7 +82,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     enter = slice(cov0 - w0, cov1 - w0)
     kbar = memory_keys(kk[:, :, enter], state.rope_dim, *ln)
     routes = _route(state, kk[:, :, enter].detach(), vv[:, :, enter].detach(), gg[:, :, enter].detach(), budget,
-                    ln, t1, gate_keys, gate_values, gate_appends)
+                    ln, t1, gate_keys, gate_values, gate_appends, attn)
     dk, dv, rad = token_streams(kbar, vv[:, :, enter], gg[:, :, enter], routes.ungated, gate_keys=gate_keys,
                                 gate_values=gate_values, gate_appends=False)
     dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
@@ -82,58 +90,94 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     base = [_pad_rows(t, m_final) for t in state.rows()]       # sums of tokens arrived before the group
     streams = (dk, dv, dr)
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *base, *streams))
     c_first, c_last = t0 // C, (t1 - 1) // C
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
     if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
         per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
     groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, routes.rows_at, per_row, group_bytes)
-    if checkpoint_groups == "auto":
-        # kept for backward per chunk: SDPA's keys/values over [state ; window] plus the snapshot sums (~2x)
+    backward = BACKWARD if backward is None else backward
+    if backward == "auto":
+        # the graph keeps per chunk SDPA's keys/values over [state ; window] plus the snapshot sums (~2x);
+        # the Triton kernels' backward needs no forward re-run, so reconstruction costs little there
         saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * \
             q.shape[0] * q.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size() * 2
-        if attn == "triton":    # the kernel saves q, the window and the snapshots; autograd the snapshot sums
-            saved = sum((cb - ca) * routes.rows_at[cb - 1] for ca, cb in groups) * per_row
-        checkpoint_groups = needs_grad and saved > CHECKPOINT_BYTES
+        backward = "reconstruct" if attn == "triton" or saved > RECONSTRUCT_BYTES else "graph"
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
                ln_eps=state_norm_eps, attn=attn)
-    # Split every operand once into per-group pieces (split's backward is a cat; slicing the full
-    # tensors per group would allocate a zero gradient of full size per group)
-    sizes = [cb - ca for ca, cb in groups]
-    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
-    win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
-    if attn == "triton":    # the kernel indexes window keys by position: one slice per group, no unfold copy
-        span = [slice(max(0, (ca + 1 - n) * C - w0), min(cb * C, t1) - w0) for ca, cb in groups]
-        kw_parts, vw_parts = [kk[:, :, s] for s in span], [vv[:, :, s] for s in span]
-    else:
-        kw_parts, vw_parts = win(kk), win(vv)
     arrival = torch.arange(cov0, cov1, device=q.device) // C + n    # first query chunk that sees each entering token
     bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
     cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
-    pieces = [x.split(cuts, 2) for x in (*streams, routes.dest, arrival.expand(1, 1, -1))]
-    base = [_scatter_tokens(b, pieces[3][0], s[0]) if cuts[0] else b for b, s in zip(base, pieces[:3])]
-    outs = []
-    for i, (ca, cb) in enumerate(groups):
-        part = [x[i + 1] for x in pieces]
-        args = (q_parts[i], kw_parts[i], vw_parts[i], *base, *part[:3], part[3], part[4][0, 0],
-                state_temp, bswa_temp, state_norm_weight, state_norm_bias)
-        fn = lambda *a, ca=ca, cb=cb: _attend_group(ca, cb, *a, **geo)
-        outs.append(checkpoint(fn, *args, use_reentrant=False) if checkpoint_groups else fn(*args))
-        if i + 1 < len(groups) and cuts[i + 1]:
-            base = [_scatter_tokens(b, part[3], s) for b, s in zip(base, part[:3])]
-    y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
-
-    if needs_grad:      # differentiable final state (backpropagation through a carried state)
+    params = (state_temp, bswa_temp, state_norm_weight, state_norm_bias)
+    if backward == "reconstruct":
+        plan = GroupPlan(groups=groups, cuts=cuts, dest=routes.dest, arrival=arrival, crop=(t0, t1), chunk_len=C,
+                         q_spans=[(max(ca * C, t0) - t0, min(cb * C, t1) - t0) for ca, cb in groups],
+                         w_spans=[(max(w0, (ca + 1 - n) * C) - w0, min(cb * C, t1) - w0) for ca, cb in groups],
+                         attend=_span_attend(groups, geo), kernel_saves=attn == "triton")
+        y, keys, values, radii = reconstruct_attention(plan, q, kk, vv, streams, base, params)
+    elif backward == "graph":
+        y = _graph_groups(groups, cuts, routes, arrival, q, kk, vv, streams, base, params, geo)
         keys, values, radii = (_scatter_tokens(_pad_rows(b, m_final), routes.dest, s)
                                for b, s in zip(state.rows(), streams))
     else:
-        keys, values, radii = routes.keys, routes.values, routes.radii
+        raise ValueError(f"backward must be 'auto', 'graph' or 'reconstruct', got {backward!r}")
+
     ws = bswa_begin(t1, C, n) - w0
     out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=m_final,
                          seen_tokens=t1, coverage=cov1, chunk_len=C, n_bswa_chunks=n,
                          sink_len=state.sink_len, rope_dim=state.rope_dim, value_radius=state.value_radius,
                          extras=state.extras)
     return y, out_state
+
+
+def default_group_bytes(device: torch.device) -> int:
+    """Working set of one group: ``GROUP_BYTES`` on CPU; on a GPU 1/32 of its memory, within
+    [GROUP_BYTES, 4 GiB] (fewer, larger launches: at B=8, H=32, D=128 a 256-row snapshot is 256 MiB)."""
+    if device.type != "cuda":
+        return GROUP_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(GROUP_BYTES, min(total // 32, 4 << 30))
+
+
+def _graph_groups(groups, cuts, routes, arrival, q, kk, vv, streams, base, params, geo):
+    """All groups with one autograd graph (activations kept per chunk: for small calls). ``[B, H, T, Dv]``."""
+    C, n, t0, t1, w0 = geo["C"], geo["n"], geo["t0"], geo["t1"], geo["w0"]
+    c_first, c_last = groups[0][0], groups[-1][1] - 1
+    # Split every operand once into per-group pieces (split's backward is a cat; slicing the full
+    # tensors per group would allocate a zero gradient of full size per group)
+    sizes = [cb - ca for ca, cb in groups]
+    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
+    if geo["attn"] == "triton":    # the kernel indexes window keys by position: one slice per group, no unfold copy
+        span = [slice(max(0, (ca + 1 - n) * C - w0), min(cb * C, t1) - w0) for ca, cb in groups]
+        kw_parts, vw_parts = [kk[:, :, s] for s in span], [vv[:, :, s] for s in span]
+    else:
+        win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
+        kw_parts, vw_parts = win(kk), win(vv)
+    pieces = [x.split(cuts, 2) for x in (*streams, routes.dest, arrival.expand(1, 1, -1))]
+    base = [_scatter_tokens(b, pieces[3][0], s[0]) if cuts[0] else b for b, s in zip(base, pieces[:3])]
+    outs = []
+    for i, (ca, cb) in enumerate(groups):
+        part = [x[i + 1] for x in pieces]
+        outs.append(_attend_group(ca, cb, q_parts[i], kw_parts[i], vw_parts[i], *base, *part[:3], part[3],
+                                  part[4][0, 0], *params, **geo))
+        if i + 1 < len(groups) and cuts[i + 1]:
+            base = [_scatter_tokens(b, part[3], s) for b, s in zip(base, part[:3])]
+    return torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
+
+
+def _span_attend(groups, geo):
+    """Group ``i``'s attention from the spans of q / window tokens it reads (see :class:`GroupPlan`)."""
+    C, n, t0, w0 = geo["C"], geo["n"], geo["t0"], geo["w0"]
+
+    def attend(i, q_span, kw_span, vw_span, base, streams, dest, arrival, params, saved=None, with_lse=False):
+        (ca, cb), qa = groups[i], max(groups[i][0] * C, t0) - t0
+        qg = _time_slice(q_span, ca * C - t0 - qa, cb * C - t0 - qa)
+        if geo["attn"] != "triton":
+            wa = max(w0, (ca + 1 - n) * C) - w0
+            kw_span, vw_span = (_time_slice(x, (ca + 1 - n) * C - w0 - wa, cb * C - w0 - wa).unfold(2, n * C, C)
+                                for x in (kw_span, vw_span))
+        return _attend_group(ca, cb, qg, kw_span, vw_span, *base, *streams, dest, arrival, *params, **geo,
+                             saved=saved, with_lse=with_lse)
+    return attend
 
 
 @torch.no_grad()
@@ -159,7 +203,8 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
     temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
     tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
     outs = []
-    for (ca, cb), qg, kw, vw in zip(groups, q_parts, *((kk, vv) if tri else (win(kk), win(vv)))):
+    windows = ([kk] * len(groups), [vv] * len(groups)) if tri else (win(kk), win(vv))   # Triton reads kk / vv by position
+    for (ca, cb), qg, kw, vw in zip(groups, q_parts, *windows):
         M = rows_at[cb - 1]
         if tri:
             keys, values = (q.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
@@ -168,7 +213,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
         for g, c in enumerate(range(ca, cb) if M else ()):
             m = 0
             if c >= n:      # bring the state to what chunk c sees, then read it out once
-                absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates)
+                absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates, attn=attn)
                 k_hat, v_hat = _readout_cached(state, ln)
                 m = state.num_rows
                 if tri:
@@ -185,7 +230,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
         else:
             outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
     y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
-    absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates)          # the lazy final coverage
+    absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates, attn=attn)          # the lazy final coverage
     ws, wl = bswa_begin(t1, C, n) - w0, t1 - bswa_begin(t1, C, n)
     state.window_keys[:, :, :wl] = kk[:, :, ws:]
     state.window_values[:, :, :wl] = vv[:, :, ws:]
@@ -195,18 +240,21 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
 
 
 def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
-                  ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps, attn="torch"):
+                  ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps, attn="torch", saved=None,
+                  with_lse=False):
     """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
 
     ``q [B, H, G*C, D]`` their queries; ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (W = n*C);
     ``base_*`` the state sums before the group; ``dk, dv, dr`` the tokens arriving inside it.
-    With ``attn="triton"``, ``kw, vw [B, Hkv, N, D|Dv]`` hold the tokens from ``max(w0, (ca+1-n)*C)`` on.
+    With ``attn="triton"``, ``kw, vw [B, Hkv, N, D|Dv]`` hold the tokens from ``max(w0, (ca+1-n)*C)`` on;
+    ``with_lse`` returns ``(o, lse2)`` from the forward kernel only (no graph) and ``saved=(o, lse2)``
+    reuses them instead of launching it (torch attention ignores both; ``with_lse`` gives ``(o, None)``).
     """
     B, Hkv, G = q.shape[0], kw.shape[1], cb - ca
     M = rows_at[cb - 1]
     tri = attn == "triton"
     tri_args = (kw, vw, max(w0, (ca + 1 - n) * C), state_temp, bswa_temp)
-    tri_geo = dict(C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale)
+    tri_geo = dict(C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale, saved=saved, with_lse=with_lse)
     if tri and not M:
         return _triton_group(ca, cb, q, None, None, *tri_args, **tri_geo)
     if not tri:
@@ -224,16 +272,19 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             return _triton_group(ca, cb, q, k_hat, v_hat, *tri_args, **tri_geo)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
-    return _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)
+    y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)
+    return (y, None) if with_lse else y
 
 
-def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_temp, *, C, n, t0, t1, rows_at, scale):
+def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_temp, *, C, n, t0, t1, rows_at, scale,
+                  saved=None, with_lse=False):
     """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, G*C, D]`` from position ``ca*C``,
     snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``."""
-    from .triton.attention import chunk_attention
+    from .triton.attention import chunk_attention, chunk_attention_fwd
     rows = None if k_hat is None else torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device)
-    return chunk_attention(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=ca * C, q_lo=max(ca * C, t0),
-                           q_hi=min(cb * C, t1), k_start=k_start, chunk_len=C, n_bswa_chunks=n, scale=scale)
+    fn = chunk_attention_fwd if with_lse else partial(chunk_attention, saved=saved)
+    return fn(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=ca * C, q_lo=max(ca * C, t0),
+              q_hi=min(cb * C, t1), k_start=k_start, chunk_len=C, n_bswa_chunks=n, scale=scale)
 
 
 def _group_operands(q, kw, vw, bswa_temp, M):
@@ -326,15 +377,16 @@ def _scatter_tokens(base: Tensor, dest: Tensor, contrib: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends) -> _Routes:
+def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends, attn="torch") -> _Routes:
     """Run the state recurrence once without gradients (the recurrent path's :func:`absorb` on a
-    detached copy); record where each token went.
+    detached copy; ``attn="triton"``: its routing / scatter kernels); record where each token went.
 
     ``kk, vv, gg`` hold the raw tokens entering the state, ``[state.coverage, coverage_after(t1))``."""
     B, Hkv, N, _ = kk.shape
     scratch = state.detach()
     own_buffers(scratch)
-    records = absorb(scratch, kk, vv, gg, state.coverage, t1, budget, ln, gate_keys, gate_values, gate_appends)
+    records = absorb(scratch, kk, vv, gg, state.coverage, t1, budget, ln, gate_keys, gate_values, gate_appends,
+                     attn=attn)
     dest = torch.full((B, Hkv, N), -1, dtype=torch.long, device=kk.device)
     created = torch.zeros(B, Hkv, N, dtype=torch.bool, device=kk.device)
     ungated = created.clone()

@@ -129,9 +129,10 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
             k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
             v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
             m_i, l_i, acc = _softmax_step(q, k, v, st, ok[:, None] & kmask[None, :], m_i, l_i, acc, PREC)
-    # window: keys [(c+1-n)*C, (c+1)*C) that exist, causal
+    # window: keys [(c+1-n)*C, (c+1)*C) that exist, causal (up to the tile's last query)
     lo = tl.maximum((c + 1 - NB) * C, k_start)
     hi = tl.minimum((c + 1) * C, tl.minimum(k_start + NK, q_hi))
+    hi = tl.minimum(hi, tl.max(tl.where(ok, qpos, -1)) + 1)      # key tiles past the tile's last query: all masked
     wk = WK + b * s_wkb + kvh * s_wkh
     wv = WV + b * s_wvb + kvh * s_wvh
     for start in range(lo, hi, BLOCK_N):
@@ -188,6 +189,7 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
             dq_s += _dq_step(q, k, v, do, lse, delta, st * log2_scale, ok[:, None] & kmask[None, :], PREC)
     lo = tl.maximum((c + 1 - NB) * C, k_start)
     hi = tl.minimum((c + 1) * C, tl.minimum(k_start + NK, q_hi))
+    hi = tl.minimum(hi, tl.max(tl.where(ok, qpos, -1)) + 1)      # key tiles past the tile's last query: all masked
     wk = WK + b * s_wkb + kvh * s_wkh
     wv = WV + b * s_wvb + kvh * s_wvh
     for start in range(lo, hi, BLOCK_N):
@@ -367,8 +369,11 @@ class ChunkAttention(torch.autograd.Function):
     """Differentiable fused attention; see :func:`chunk_attention` for the arguments."""
 
     @staticmethod
-    def forward(ctx, q, sk, sv, wk, wv, state_temp, bswa_temp, rows, geo):
-        o, lse = _fwd(q, sk, sv, rows, wk, wv, state_temp, bswa_temp, geo)
+    def forward(ctx, q, sk, sv, wk, wv, state_temp, bswa_temp, rows, geo, saved=None):
+        # saved: (o, base-2 lse) of an earlier identical forward (the backward of kvmeans.ops.chunk_reconstruct
+        # differentiates a group again without re-running the kernel)
+        o, lse = _fwd(q, sk, sv, rows, wk, wv, state_temp, bswa_temp, geo) if saved is None else \
+            (saved[0].detach(), saved[1])
         ctx.save_for_backward(q, sk, sv, wk, wv, state_temp, bswa_temp, rows, o, lse)
         ctx.geo = geo
         return o, lse
@@ -412,13 +417,13 @@ class ChunkAttention(torch.autograd.Function):
                     REP=REP, PREC=prec, BLOCK_D=bd, BLOCK_DV=bdv)
             dst = ts.sum((0, 2)).to(state_temp.dtype)
         dbt = tw.sum((0, 2)).to(bswa_temp.dtype)
-        return dq, dsk, dsv, dwk, dwv, dst, dbt, None, None
+        return dq, dsk, dsv, dwk, dwv, dst, dbt, None, None, None
 
 
 def chunk_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Optional[Tensor],
                     rows: Optional[Tensor], window_keys: Tensor, window_values: Tensor, state_temp: Tensor,
                     bswa_temp: Tensor, *, q_start: int, q_lo: int, q_hi: int, k_start: int, chunk_len: int,
-                    n_bswa_chunks: int, scale: float, return_lse: bool = False):
+                    n_bswa_chunks: int, scale: float, return_lse: bool = False, saved=None):
     """Joint-softmax KVM attention of the queries at positions ``[q_lo, q_hi)`` (one launch for all their chunks).
 
     Args:
@@ -428,6 +433,8 @@ def chunk_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Optio
             (no chunk sees a state); ``rows [G]`` int32 on q's device: rows visible to each chunk (0 = none).
         window_keys, window_values: ``[B, Hkv, N, D|Dv]``, row t is the token at position ``k_start + t``.
         state_temp, bswa_temp: ``[H]`` inverse temperatures; scale: softmax scale.
+        saved: ``(o, lse2)`` from :func:`chunk_attention_fwd` on the same inputs: returned as the output
+            without launching the forward kernel (backward still works: it needs only o and the LSE).
     Returns:
         ``o [B, H, TQ, Dv]`` (and the natural-log LSE ``[B, H, TQ]`` fp32 with ``return_lse``).
         Differentiable in q, the snapshots, the window keys / values and both temperatures.
@@ -440,5 +447,19 @@ def chunk_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Optio
         rows = rows.to(device=q.device, dtype=torch.int32)
     geo = (int(q_start), int(q_lo), int(q_hi), int(k_start), int(chunk_len), int(n_bswa_chunks), float(scale))
     o, lse = ChunkAttention.apply(q, state_keys, state_values, window_keys, window_values,
-                                  state_temp.contiguous(), bswa_temp.contiguous(), rows, geo)
+                                  state_temp.contiguous(), bswa_temp.contiguous(), rows, geo, saved)
     return (o, lse * math.log(2.0)) if return_lse else o
+
+
+@torch.no_grad()
+def chunk_attention_fwd(q, state_keys, state_values, rows, window_keys, window_values, state_temp, bswa_temp, *,
+                        q_start, q_lo, q_hi, k_start, chunk_len, n_bswa_chunks, scale):
+    """The forward kernel only (arguments as :func:`chunk_attention`): ``(o, lse2)`` with the base-2 LSE
+    ``[B, H, TQ]`` fp32 that ``chunk_attention(..., saved=(o, lse2))`` takes."""
+    q, state_keys, state_values, window_keys, window_values = (
+        _last_dim_contiguous(t) for t in (q, state_keys, state_values, window_keys, window_values))
+    if rows is not None:
+        rows = rows.to(device=q.device, dtype=torch.int32)
+    geo = (int(q_start), int(q_lo), int(q_hi), int(k_start), int(chunk_len), int(n_bswa_chunks), float(scale))
+    return _fwd(q, state_keys, state_values, rows, window_keys, window_values, state_temp.contiguous(),
+                bswa_temp.contiguous(), geo)
