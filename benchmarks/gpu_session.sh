@@ -1,28 +1,41 @@
 #!/usr/bin/env bash
 # One command for a session that has a CUDA GPU: check the compiled Triton kernels against the torch
 # paths, then time KVM against flash SDPA at the paper's shape (B=8, H=32, D=128, bf16) with the Triton
-# kernels and with the torch paths, writing CSV/PNG/env under benchmarks/results/<gpu>-<date>/.
-#   bash benchmarks/gpu_session.sh            # everything (~10-20 min on an H100)
-#   QUICK=1 bash benchmarks/gpu_session.sh    # the tests and a short benchmark only
+# kernels and with the torch paths, writing CSV/PNG/env under benchmarks/results/<gpu>-<date>/
+# (or under $OUT when set, e.g. on the device tool's machine, whose files come back from there).
+#   bash benchmarks/gpu_session.sh                 # all steps (~10-20 min on an H100)
+#   bash benchmarks/gpu_session.sh tests           # one step: tests | triton | torch (each < 10 min)
+#   QUICK=1 bash benchmarks/gpu_session.sh         # T = 4096 and 32768 only
+# Works offline: a machine that already has torch + triton (+ pytest, matplotlib) needs no download;
+# kvmeans itself is installed without dependencies, or used from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python - <<'PY'
+python3 - <<'PY'
 import sys, torch
 if not torch.cuda.is_available():
     sys.exit("gpu_session.sh: no CUDA device visible to torch; run it on a GPU machine")
 PY
-pip install -q -e ".[dev,triton]"
-gpu=$(python -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
-out="benchmarks/results/${gpu}-$(date +%Y%m%d)"
+if ! python3 -c "import kvmeans" 2>/dev/null; then
+    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
+        || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
+out="${OUT:-benchmarks/results/${gpu}-$(date +%Y%m%d)}"
 mkdir -p "$out"
-
-# 1. compiled kernels vs the torch path (gpu-marked tests), then the Triton test file compiled on CUDA
-python -m pytest -q -m gpu tests/ 2>&1 | tee "$out/pytest-gpu.txt"
-python -m pytest -q tests/test_triton.py 2>&1 | tee "$out/pytest-triton.txt"
-
-# 2. the operator benchmark: Triton arm, then the torch paths, same shapes, SDPA (flash) in each run
+steps="${1:-tests triton torch}"
 lengths="1024 2048 4096 8192 16384 32768"
 [ "${QUICK:-0}" = 1 ] && lengths="4096 32768"
-kvmeans bench ops --device cuda --paper-shape --kvm-impl triton --lengths $lengths --out "$out/triton"
-kvmeans bench ops --device cuda --paper-shape --kvm-impl torch --lengths $lengths --out "$out/torch"
-echo "results in $out (commit $(git rev-parse --short HEAD)); put the ratio table in README.md"
+export PYTHONUNBUFFERED=1
+
+for step in $steps; do
+    case "$step" in
+    tests)   # compiled kernels vs the torch path (gpu-marked tests), then the whole Triton test file on CUDA
+        python3 -m pytest -q -m gpu tests/test_triton.py 2>&1 | tee "$out/pytest-gpu.txt" || true
+        python3 -m pytest -q tests/test_triton.py 2>&1 | tee "$out/pytest-triton.txt" || true ;;
+    triton|torch)   # the operator benchmark, same shapes, SDPA (flash) timed in the same run
+        python3 -m kvmeans.bench.ops --device cuda --paper-shape --kvm-impl "$step" --lengths $lengths \
+            --out "$out/$step" 2>&1 | tee "$out/bench-$step.txt" ;;
+    *) echo "unknown step $step (tests | triton | torch)" >&2; exit 2 ;;
+    esac
+done
+echo "results in $out (commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)); put the ratio table in README.md"
