@@ -106,9 +106,10 @@ def _convert(argv: List[str]) -> int:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--no-check", action="store_true", help="skip loading the result with KVMForCausalLM")
-    p.add_argument("--numerics", choices=("reference", "exact"), default="reference",
+    p.add_argument("--numerics", choices=("reference", "exact", "mixed"), default="reference",
                    help="KVM rounding recorded in config.json: 'reference' (default: the authors' eager code's "
-                        "bf16 rounding points) or 'exact' (kvmeans' default numerics)")
+                        "bf16 rounding points), 'exact' (kvmeans' default numerics) or 'mixed' (exact with "
+                        "half-precision attention dots)")
     a = p.parse_args(argv)
     try:
         import safetensors  # noqa: F401

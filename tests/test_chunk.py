@@ -197,3 +197,32 @@ def test_no_uninitialised_memory_is_read(monkeypatch):
     with torch.no_grad():
         y, _ = run("chunked", make_inputs(H=4, Hkv=2, T=70, D=8, Dv=6), 70, 8, 2, 3, case[4], 2)
     assert_close("no-grad y", ref[0], y, 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_numerics_rounds_only_the_attention_operands(dtype):
+    """numerics="mixed": half-precision attention dots; the state (routes, fp32 sums) is exact's, bit for bit,
+    outputs and gradients agree with exact within the input dtype's tolerance, and they do differ."""
+    case = CASES[5]
+    y0, s0, g0 = outputs_and_grads("chunked", case, dtype)
+    y1, s1, g1 = outputs_and_grads("chunked", case, dtype, numerics="mixed")
+    for a, b in zip((*s0.rows(), *s0.window()), (*s1.rows(), *s1.window())):
+        assert torch.equal(a, b)
+    assert y1.dtype == dtype and not torch.equal(y0, y1)
+    assert_close("y", y0.float(), y1.float(), TOLERANCES[dtype])
+    for name in NAMES:
+        assert_close("d" + name, g0[name].float(), g1[name].float(), 2 * TOLERANCES[dtype])
+    T, C, n, S, budget, H, Hkv, r = case
+    with torch.no_grad():               # the in-place prefill
+        inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, Dv=6, dtype=dtype, seed=0)
+        y2, s2 = run("chunked", inputs, T, C, n, S, budget, r, numerics="mixed")
+    assert_close("y no-grad", y1.float(), y2.float(), TOLERANCES[dtype])
+    assert s2.num_rows == s1.num_rows
+    for name, a, b in zip(("keys", "values", "radii"), s1.rows(), s2.rows()):
+        assert_close(name, a, b, TOLERANCES[torch.float32])
+
+
+def test_mixed_numerics_is_exact_for_float32():
+    y0, s0, g0 = outputs_and_grads("chunked", CASES[5], torch.float32)
+    y1, s1, g1 = outputs_and_grads("chunked", CASES[5], torch.float32, numerics="mixed")
+    assert torch.equal(y0, y1) and all(torch.equal(g0[k], g1[k]) for k in NAMES)

@@ -284,12 +284,12 @@ def test_auto_classes_open_authors_dir(authors_dir):
 # ---- (vi) bad values name the argument and the choices ------------------------------------------------
 def test_bad_numerics_values_raise():
     (q, k, v, gate), p = inputs()
-    with pytest.raises(ValueError, match=r"numerics must be one of \('exact', 'reference'\).*got 'fast'"):
+    with pytest.raises(ValueError, match=r"numerics must be one of \('exact', 'mixed', 'reference'\).*got 'fast'"):
         kvm_attention(q, k, v, gate, **GEOM, numerics="fast")
     from kvmeans.layers import KVMAttentionConfig
-    with pytest.raises(ValueError, match="KVMAttentionConfig.numerics: must be 'exact' or 'reference', got 'bf16'"):
+    with pytest.raises(ValueError, match=r"KVMAttentionConfig.numerics: must be one of \('exact', 'mixed', 'reference'\), got 'bf16'"):
         KVMAttentionConfig(hidden_size=16, num_heads=2, numerics="bf16")
-    with pytest.raises(ValueError, match="KVMModelConfig.kvm_numerics: must be 'exact' or 'reference'"):
+    with pytest.raises(ValueError, match=r"KVMModelConfig.kvm_numerics: must be one of \('exact', 'mixed', 'reference'\)"):
         KVMModelConfig(kvm_numerics="Reference")
 
 

@@ -196,6 +196,32 @@ def test_many_groups_both_backwards(backward, monkeypatch):
     compare((ref[0], ref[1], {}), outputs_and_grads("triton", case, grad=False))
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_mixed_numerics_runs_half_precision_dots(grad, monkeypatch):
+    """numerics="mixed", fp16 inputs: the kernels get fp16 q / snapshots / window (fp32 accumulation); outputs
+    and gradients match the torch chunked path in the same mode, within fp16 tolerance. (fp16, because the
+    Triton 3.9 CPU interpreter computes bf16 dots wrongly; bf16 is covered by the gpu tests.)"""
+    case = CASES[2]
+    T, H, Hkv = case[0], case[5], case[6]
+    seen = []
+    real_fwd = tri_attn._fwd
+    monkeypatch.setattr(tri_attn, "_fwd", lambda q, sk, sv, *a: seen.append((q.dtype, getattr(sk, "dtype", q.dtype))) or real_fwd(q, sk, sv, *a))
+    res = []
+    for backend in ("chunked", "triton"):
+        x = inputs_for(T, H, Hkv, dtype=torch.float16, requires_grad=grad)
+        with torch.set_grad_enabled(grad):
+            y, state = call(backend, x, 0, T, case, numerics="mixed")
+        grads = {}
+        if grad:
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+            g = torch.autograd.grad((y.float() * dy).sum() + 0.3 * state.rows()[0].sum(), [x[k] for k in NAMES],
+                                    allow_unused=True, materialize_grads=True)
+            grads = {k: v.float() for k, v in zip(NAMES, g)}
+        res.append((y.float(), state, grads))
+    assert seen and all(d == (torch.float16, torch.float16) for d in seen)
+    compare(*res, tol=2 * TOLERANCES[torch.float16])
+
+
 @pytest.mark.parametrize("value_radius,gate_appends", [(False, True)])
 def test_ablations(value_radius, gate_appends):
     kw = dict(value_radius=value_radius, gate_appends=gate_appends)
@@ -426,6 +452,23 @@ def test_gpu_triton_matches_torch_path(case, dtype):
         grads = torch.autograd.grad(loss, [x[k] for k in NAMES], allow_unused=True, materialize_grads=True)
         res.append((y, state, dict(zip(NAMES, grads))))
     compare(*res, tol=2e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or tri_attn.INTERPRETED, reason="needs CUDA, compiled Triton")
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
+def test_gpu_mixed_bf16_matches_exact(case):
+    """numerics="mixed" (bf16 MMA in the kernels) against exact (fp32 dots) on the same bf16 inputs."""
+    T, C, n, S, budget, H, Hkv, r = case
+    res = []
+    for numerics in ("exact", "mixed"):
+        x = {k: v.to(torch.bfloat16).requires_grad_() for k, v in inputs_for(T, H, Hkv, D=64, Dv=64).items()}
+        y, state = call("triton", x, 0, T, case, numerics=numerics)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+        grads = torch.autograd.grad((y.float() * dy.float()).sum(), [x[k] for k in NAMES], allow_unused=True,
+                                    materialize_grads=True)
+        res.append((y.float(), state, {k: v.float() for k, v in zip(NAMES, grads)}))
+    compare(*res, tol=3e-2)
 
 
 @pytest.mark.gpu

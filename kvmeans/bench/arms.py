@@ -59,7 +59,8 @@ def kvm(a, arm, q, k, v, g, **kw):
     """``kvm_attention`` with the arm's budget, the geometry of ``a`` and its ``kvm_impl``."""
     backend = kvm_backend(a, kw.get("initial_state") is not None)
     return kvm_attention(q, k, v, g, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
-                         rope_dim=a.rope_dim, budget=BUDGETS[arm], backend=backend, **kw)
+                         rope_dim=a.rope_dim, budget=BUDGETS[arm], backend=backend,
+                         numerics=getattr(a, "numerics", "exact"), **kw)
 
 
 def resolved_kvm_impl(a) -> str:

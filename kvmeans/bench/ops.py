@@ -42,7 +42,7 @@ CUDA_LENGTHS = CPU_LENGTHS + [65536]
 COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
-           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl"]
+           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics"]
 
 
 @dataclass
@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sink-len", type=int, default=1)
     p.add_argument("--kvm-impl", choices=["auto", "torch", "triton"], default="auto",
                    help="KVM arms: auto = Triton kernels on CUDA when installed, torch paths otherwise")
+    p.add_argument("--numerics", choices=["exact", "mixed"],
+                   help="KVM numerics (kvm_attention): default mixed for half dtypes (half-precision attention dots "
+                        "with fp32 accumulation, like the flash SDPA it is compared with), exact otherwise")
     p.add_argument("--lengths", type=int, nargs="+", help=f"T values (default cpu {CPU_LENGTHS}, cuda adds 65536)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, help="timed repeats per (T, mode, arm), median reported (default 3)")
@@ -88,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.head_dim = a.head_dim or (128 if paper else 64)
     a.rope_dim = a.head_dim // 2 if a.rope_dim is None else a.rope_dim
     a.dtype = a.dtype or ("bfloat16" if paper or a.device == "cuda" else "float32")
+    a.numerics = a.numerics or ("mixed" if a.dtype in ("bfloat16", "float16") else "exact")
     a.lengths = a.lengths or ([512, 1024, 2048] if quick else CPU_LENGTHS if a.device == "cpu" else CUDA_LENGTHS)
     a.repeats = a.repeats or (1 if quick else 3)
     a.decode_steps = a.decode_steps or (16 if quick else 64)
@@ -126,7 +130,7 @@ def run(argv=None) -> OpsResult:
     info = env_info(a.device)
     print(format_env(info))
     print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
-          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl}; repeats={a.repeats} (median), "
+          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl} numerics={a.numerics}; repeats={a.repeats} (median), "
           f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
     res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
     mem: Dict[tuple, Dict[str, int]] = {}        # (T, arm) -> rows / bytes
@@ -191,7 +195,8 @@ def _ms(vals, pick=statistics.median):
 def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
     cfg = dict(device=a.device, dtype=a.dtype, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                head_dim=a.head_dim, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
-               rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl)
+               rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl,
+               numerics=a.numerics)
     rows = []
     for (T, mode, arm), r in res.items():
         t = _ms(r.get("time"))

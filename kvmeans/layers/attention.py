@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.budget import BudgetLike, StateBudget, as_budget
-from ..ops.kvm import kvm_attention
+from ..ops.kvm import NUMERICS, kvm_attention
 from .rope import RotaryEmbedding
 from .token_shift import attention_shift_alphas, token_shift
 
@@ -99,13 +99,14 @@ class KVMAttentionConfig(AttentionConfig):
     sinks: bool = True                      # False -> no sink rows (sink_len treated as 0)
     state_norm_eps: float = 1e-5
     backend: str = "auto"
-    numerics: str = "exact"                 # "reference": the authors' eager rounding points (kvm_attention)
+    numerics: str = "exact"                 # "mixed": half attention dots; "reference": the authors' eager rounding
 
     def __post_init__(self):
         super().__post_init__()
-        if self.numerics not in ("exact", "reference"):
-            _bad(self, "numerics", f"must be 'exact' or 'reference', got {self.numerics!r}",
-                 "use 'reference' to reproduce the authors' eager rounding, else 'exact'")
+        if self.numerics not in NUMERICS:
+            _bad(self, "numerics", f"must be one of {NUMERICS}, got {self.numerics!r}",
+                 "use 'reference' to reproduce the authors' eager rounding, 'mixed' for half-precision attention "
+                 "dots (fast on GPU), else 'exact'")
         if self.chunk_len < 1:
             _bad(self, "chunk_len", f"must be >= 1, got {self.chunk_len}", "pass a positive chunk_len")
         if self.n_bswa_chunks < 1:

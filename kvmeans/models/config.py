@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..ops.budget import StateBudget
+from ..ops.kvm import NUMERICS
 
 MIXERS = ("kvm", "full", "swa", "bswa", "ovq")
 
@@ -105,9 +106,10 @@ class KVMModelConfig:
         if not self.residual_scale > 0:
             bad("residual_scale", f"must be > 0, got {self.residual_scale}", "use 1.0 (12 layers) or 0.5 (24)")
         budget_from_dict(self.budget)             # validates
-        if self.kvm_numerics not in ("exact", "reference"):
-            bad("kvm_numerics", f"must be 'exact' or 'reference', got {self.kvm_numerics!r}",
-                "use 'reference' to reproduce the authors' eager rounding, else 'exact'")
+        if self.kvm_numerics not in NUMERICS:
+            bad("kvm_numerics", f"must be one of {NUMERICS}, got {self.kvm_numerics!r}",
+                "use 'reference' to reproduce the authors' eager rounding, 'mixed' for half-precision attention "
+                "dots (fast on GPU), else 'exact'")
         for name in ("rope_dim", "alt_rope_dim"):
             r = getattr(self, name)
             if r is not None and (r < 0 or r % 2 or r > self.qk_head_dim):

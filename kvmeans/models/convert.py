@@ -23,6 +23,7 @@ from ._reference_format import (KVM_CLASS_PATHS, MIXER_NAMES, MODE_PREFIX, REFER
                                 REFERENCE_MODEL_TYPE, _dropped_names, build_tiny_reference_checkpoint,
                                 reference_parameter_shapes)
 from ..utils.io import atomic_write
+from ..ops.kvm import NUMERICS
 from .config import KVMModelConfig
 
 __all__ = ["reference_config_to_ours", "is_reference_checkpoint", "load_reference_state_dict",
@@ -303,9 +304,9 @@ def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike, numerics:
 
 def with_numerics(config: KVMModelConfig, numerics: str, argument: str = "kvm_numerics") -> KVMModelConfig:
     """``config`` with ``kvm_numerics=numerics``; a bad value raises ``ValueError`` naming ``argument``."""
-    if numerics not in ("exact", "reference"):
-        raise ValueError(f"{argument} must be 'exact' (kvmeans' default numerics) or 'reference' (the authors' "
-                         f"eager rounding points), got {numerics!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"{argument} must be 'exact' (kvmeans' default numerics), 'mixed' (exact with half-precision "
+                         f"attention dots) or 'reference' (the authors' eager rounding points), got {numerics!r}")
     return dataclasses.replace(config, kvm_numerics=numerics)
 
 

@@ -51,7 +51,7 @@ class _Routes:
 
 def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
                         state_norm_eps, state_temp, bswa_temp, scale, gate_keys=True, gate_values=True,
-                        gate_appends=False, backward=None, group_bytes=None, attn="torch"):
+                        gate_appends=False, backward=None, group_bytes=None, attn="torch", mma_dtype=None):
     """Same contract as :func:`kvmeans.ops.naive.naive_kvm_attention`; returns ``(y, new_state)``.
 
     ``backward`` (with autograd): ``"graph"`` keeps the activations of every chunk (fastest for small
@@ -59,7 +59,9 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     backward (:mod:`kvmeans.ops.chunk_reconstruct`: memory O(T + state), not O(chunks * state));
     ``"auto"`` picks reconstruct for the Triton kernels and for calls whose graph would exceed
     ``RECONSTRUCT_BYTES``; None takes the module's ``BACKWARD``. ``group_bytes`` bounds the size of one batched
-    attention call (None: :func:`default_group_bytes`). ``attn``: "torch" (SDPA with a mask) or "triton" (the fused
+    attention call (None: :func:`default_group_bytes`). ``mma_dtype`` (``numerics="mixed"``): q, the window and
+    the read-out state enter the attention dots in this dtype (softmax statistics and accumulation stay fp32,
+    as in flash attention); the state, its routing and sums are unchanged. ``attn``: "torch" (SDPA with a mask) or "triton" (the fused
     kernel of :mod:`kvmeans.ops.triton.attention`: no window copy per chunk, no repeated GQA keys).
     """
     C, n = state.chunk_len, state.n_bswa_chunks
@@ -76,7 +78,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))):
         return _prefill_no_grad(q, kk, vv, gg, state, budget=budget, ln=ln, state_temp=state_temp,
                                 bswa_temp=bswa_temp, scale=scale, group_bytes=group_bytes,
-                                gates=(gate_keys, gate_values, gate_appends), attn=attn)
+                                gates=(gate_keys, gate_values, gate_appends), attn=attn, mma_dtype=mma_dtype)
     # tokens entering the state in this call: [cov0, cov1), a contiguous range
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
@@ -108,14 +110,15 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
     cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
     params = (state_temp, bswa_temp, state_norm_weight, state_norm_bias)
+    qa, ka, va = (x.to(mma_dtype) for x in (q, kk, vv)) if mma_dtype else (q, kk, vv)     # attention operands
     if backward == "reconstruct":
         plan = GroupPlan(groups=groups, cuts=cuts, dest=routes.dest, arrival=arrival, crop=(t0, t1), chunk_len=C,
                          q_spans=[(max(ca * C, t0) - t0, min(cb * C, t1) - t0) for ca, cb in groups],
                          w_spans=[(max(w0, (ca + 1 - n) * C) - w0, min(cb * C, t1) - w0) for ca, cb in groups],
                          attend=_span_attend(groups, geo), kernel_saves=attn == "triton")
-        y, keys, values, radii = reconstruct_attention(plan, q, kk, vv, streams, base, params)
+        y, keys, values, radii = reconstruct_attention(plan, qa, ka, va, streams, base, params)
     elif backward == "graph":
-        y = _graph_groups(groups, cuts, routes, arrival, q, kk, vv, streams, base, params, geo)
+        y = _graph_groups(groups, cuts, routes, arrival, qa, ka, va, streams, base, params, geo)
         keys, values, radii = (_scatter_tokens(_pad_rows(b, m_final), routes.dest, s)
                                for b, s in zip(state.rows(), streams))
     else:
@@ -182,7 +185,7 @@ def _span_attend(groups, geo):
 
 @torch.no_grad()
 def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, bswa_temp, scale, group_bytes, gates,
-                     attn="torch"):
+                     attn="torch", mma_dtype=None):
     """Inference prefill: advance ``state`` in place chunk by chunk (the recurrent path's buffers and
     cached readout, one LN_s per state version shared by routing and attention) while attending all
     chunks of a group in one SDPA call. ``kk, vv, gg`` hold tokens ``[window_start, t1)``."""
@@ -198,16 +201,17 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
         per_row = B * Hkv * (q.shape[3] + vv.shape[3]) * q.element_size()
     groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, rows_at, per_row, group_bytes)
     sizes = [cb - ca for ca, cb in groups]
-    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
+    qa, ka, va = (x.to(mma_dtype) for x in (q, kk, vv)) if mma_dtype else (q, kk, vv)     # attention operands
+    q_parts = _time_slice(qa, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
     win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
     temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
     tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
     outs = []
-    windows = ([kk] * len(groups), [vv] * len(groups)) if tri else (win(kk), win(vv))   # Triton reads kk / vv by position
+    windows = ([ka] * len(groups), [va] * len(groups)) if tri else (win(ka), win(va))   # Triton reads by position
     for (ca, cb), qg, kw, vw in zip(groups, q_parts, *windows):
         M = rows_at[cb - 1]
         if tri:
-            keys, values = (q.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
+            keys, values = (qa.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
         else:
             keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
         for g, c in enumerate(range(ca, cb) if M else ()):
@@ -225,7 +229,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
             values[:, g, :, :, m:M] = 0
         if tri:
             outs.append(_triton_group(ca, cb, qg, keys.squeeze(3) if M else None, values.squeeze(3) if M else None,
-                                      kk, vv, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at,
+                                      kw, vw, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at,
                                       scale=scale))
         else:
             outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
@@ -269,7 +273,7 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
         k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)                # [B,G,Hkv,M,D]
         if tri:
-            return _triton_group(ca, cb, q, k_hat, v_hat, *tri_args, **tri_geo)
+            return _triton_group(ca, cb, q, k_hat.to(q.dtype), v_hat.to(q.dtype), *tri_args, **tri_geo)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
     y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)

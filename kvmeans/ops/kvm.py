@@ -11,7 +11,8 @@ from .budget import BudgetLike, StateBudget, as_budget
 from .state import KVMState
 
 BACKENDS = ("auto", "naive", "chunked", "recurrent", "triton")
-NUMERICS = ("exact", "reference")
+NUMERICS = ("exact", "mixed", "reference")
+HALF = (torch.float16, torch.bfloat16)
 
 
 def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None, *, chunk_len: int = 256,
@@ -48,7 +49,11 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             attention and decode kernels; CUDA, float32 / half compute). ``"auto"`` picks Triton when q is on CUDA
             and Triton is installed, the torch paths otherwise. All give the same result.
         numerics: ``"exact"`` (default: fp32 compute for half inputs, ungated routing key, readout in the
-            compute dtype) or ``"reference"``: the rounding points of the authors' eager code (model-dtype
+            compute dtype); ``"mixed"``: as exact, except that with half inputs the prefill / training attention
+            (chunked path and its Triton kernels) multiplies q, the window and the read-out state in the input
+            dtype with fp32 softmax statistics and accumulation, as flash attention does (the state, its routing
+            and sums are those of exact; naive and the recurrent decode compute as exact; float32 inputs: exact);
+            or ``"reference"``: the rounding points of the authors' eager code (model-dtype
             state sums and routing, gated merge key, bf16 readout values; see
             :mod:`kvmeans.ops.reference_numerics`). Reference mode computes in q's dtype, runs one dedicated
             chunk-by-chunk implementation whatever ``backend`` says (for fidelity, not speed; autograd works)
@@ -95,7 +100,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
     attn = "torch"      # attention kernels of the chunked / recurrent paths
-    if backend == "triton" or (backend == "auto" and q.is_cuda and numerics == "exact"):
+    if backend == "triton" or (backend == "auto" and q.is_cuda and numerics != "reference"):
         from .triton import unavailable_reason    # cheap: does not import triton
         why = unavailable_reason(q.device, compute)
         if why is None:
@@ -104,12 +109,14 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             raise ValueError(f"backend='triton' cannot run here: {why}")
     if backend == "auto":
         backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
-    if backend == "recurrent" and needs_grad and numerics == "exact":
+    if backend == "recurrent" and needs_grad and numerics != "reference":
         raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
                          "backend='chunked' or call it under torch.no_grad()")
     args = [t.to(compute) for t in (q, k, v, gate)]
-    if attn == "triton" and numerics == "exact":
+    if attn == "triton" and numerics != "reference":
         kwargs["attn"] = attn
+    if numerics == "mixed" and q.dtype in HALF and backend == "chunked":
+        kwargs["mma_dtype"] = q.dtype
     if numerics == "reference":
         from .reference_numerics import reference_kvm_attention as impl
     elif backend == "naive":
@@ -187,8 +194,9 @@ def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backe
 
 def _check_numerics(numerics):
     if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS} ('exact': kvmeans' default; 'reference': the "
-                         f"authors' eager rounding points), got {numerics!r}")
+        raise ValueError(f"numerics must be one of {NUMERICS} ('exact': kvmeans' default; 'mixed': half-precision "
+                         f"attention dots like flash attention; 'reference': the authors' eager rounding points), "
+                         f"got {numerics!r}")
 
 
 def _check_budget_against_state(budget, state, chunk_len):
