@@ -18,10 +18,16 @@ def test_bench_ops_writes_csv_and_png(tmp_path, capsys):
     assert all(float(r["time_ms"]) > 0 for r in rows)
     kvm = [r for r in rows if r["arm"] != "sdpa"]
     assert all(float(r["speedup_vs_sdpa"]) > 0 and int(r["rows"]) > 0 for r in kvm)
+    bwd = {(r["T"], r["arm"]): int(r["saved_bytes"]) for r in rows if r["mode"] == "backward"}
+    T, H, D = 512, 2, 16       # SDPA keeps at least q, k, v and its output
+    assert bwd["512", "sdpa"] >= 4 * T * H * D * 4 and all(v > 0 for v in bwd.values())
+    assert all(r["saved_bytes"] == "" for r in rows if r["mode"] != "backward")
+    assert all(r["numerics"] == "exact" for r in rows)
     assert (tmp_path / "env.json").exists()
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "ops.png").stat().st_size > 0
-    assert "speedup" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "speedup" in out and "kept by autograd for backward" in out
 
 
 def test_cli_routes_to_bench(tmp_path):

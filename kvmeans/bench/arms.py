@@ -91,15 +91,22 @@ def measure_prefill(a, arm, x, ctx=None) -> Dict[str, float]:
 
 
 def measure_backward(a, arm, x, ctx=None) -> Dict[str, float]:
-    """``(y * dy).sum().backward()`` alone (``time``); the forward with grad is ``fwd_grad``."""
+    """``(y * dy).sum().backward()`` alone (``time``); the forward with grad is ``fwd_grad``; ``saved_bytes``
+    what autograd keeps for backward (distinct storages, the inputs q, k, v, g included when kept)."""
     q, k, v, g = (t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g))
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
     t0 = clock(a.dev)
-    y = sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g)
     t1 = clock(a.dev)
     loss = (y * x.dy).sum()
     t2 = clock(a.dev)
     loss.backward()
-    return {"time": clock(a.dev) - t2, "fwd_grad": t1 - t0}
+    return {"time": clock(a.dev) - t2, "fwd_grad": t1 - t0, "saved_bytes": float(sum(kept.values()))}
 
 
 def prepare_decode(a, arm, x):

@@ -42,7 +42,8 @@ CUDA_LENGTHS = CPU_LENGTHS + [65536]
 COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
-           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics"]
+           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics",
+           "saved_bytes"]
 
 
 @dataclass
@@ -208,7 +209,8 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
                      "fwd_grad_ms": _ms(r.get("fwd_grad")), "step_median_ms": _ms(r.get("step_median")),
                      "step_max_ms": _ms(r.get("step_max")), "speedup_vs_sdpa": sd / t if t and sd else None,
                      **m, "state_bytes_decode": max(r["state_bytes_decode"]) if r.get("state_bytes_decode") else None,
-                     "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"), **cfg})
+                     "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"),
+                     "saved_bytes": int(max(r["saved_bytes"])) if r.get("saved_bytes") else None, **cfg})
     return rows
 
 
@@ -232,6 +234,11 @@ def _report(a, info, res, mem) -> OpsResult:
           f"speedup = sdpa / kvm; bytes per layer")
     print_table(["T", "mode", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt", "rows fixed",
                  "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes"], table)
+    if "backward" in a.modes:
+        kept = lambda T, arm: by.get((T, "backward", arm), {}).get("saved_bytes")
+        print("\n# kept by autograd for backward (bytes, inputs included; the memory a training step holds per layer)")
+        print_table(["T", "sdpa", "kvm-fixed256", "kvm-sqrt16"],
+                    [[T, *(human_bytes(kept(T, arm)) for arm in ARMS)] for T in a.lengths])
     out = Path(a.out)
     csv_path = write_csv(out / "ops.csv", COLUMNS, rows)
     config = {k: v for k, v in vars(a).items() if k not in ("dev", "out", "argv")}
