@@ -146,9 +146,9 @@ class _Reconstruct(torch.autograd.Function):
                                     saved=kept)
                     inputs = leaves + [t for t in par if t is not None]
                     grads = torch.autograd.grad(o, inputs, _time_slice(dy, *rows), allow_unused=True)
-                dq[:, :, qa:qb] += _or_zero(grads[0], leaves[0])
-                dkk[:, :, wa:wb] += _or_zero(grads[1], leaves[1])
-                dvv[:, :, wa:wb] += _or_zero(grads[2], leaves[2])
+                for acc, grad, span in ((dq, grads[0], (qa, qb)), (dkk, grads[1], (wa, wb)), (dvv, grads[2], (wa, wb))):
+                    if grad is not None:
+                        acc[:, :, span[0]:span[1]] += grad
                 base_grads, local = grads[3:6], grads[6:9]
                 it = iter(grads[9:])
                 for j, t in enumerate(par):
@@ -168,6 +168,3 @@ class _Reconstruct(torch.autograd.Function):
                     for t, d in zip(params, d_params)]
         return (None, dq, dkk, dvv, *d_streams, *g, *d_params)
 
-
-def _or_zero(grad, like):
-    return torch.zeros_like(like) if grad is None else grad
