@@ -1,4 +1,4 @@
-"""chunked (and its checkpointed / many-group variants) == naive: outputs, final state, every gradient."""
+"""chunked (graph and reverse-reconstruction backwards, many groups) == naive: outputs, final state, every gradient."""
 import pytest
 import torch
 
