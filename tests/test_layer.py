@@ -276,3 +276,19 @@ def test_mixed_numerics_layer_in_bfloat16():
     assert not torch.equal(y0, y1)
     assert (y0.float() - y1.float()).norm() <= 2e-2 * y0.float().norm()
     assert all(torch.equal(a, b) for a, b in zip(s0.rows(), s1.rows()))
+
+
+def test_layer_gradients_same_with_both_chunked_backwards(monkeypatch):
+    """The layer's parameter gradients do not depend on how the chunked op keeps its backward state."""
+    import kvmeans.ops.chunk as chunk_mod
+    x = torch.randn(2, 29, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    grads = []
+    for mode in ("graph", "reconstruct"):
+        monkeypatch.setattr(chunk_mod, "BACKWARD", mode)
+        layer = make_layer(budget=BUDGETS["power_law"]).double()
+        y, state = layer(x)[:2]
+        (y.pow(2).sum() + state.rows()[0].sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-9, atol=1e-12, msg=n)
