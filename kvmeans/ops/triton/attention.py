@@ -62,6 +62,29 @@ def _query_rows(pid_m, c, kvh, q_lo, q_hi, C, REP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, idx, s_k, s_v, kmask, offs_d, offs_dv, dmask, dvmask):
+    """Key and value tiles of rows ``idx`` (row strides ``s_k`` / ``s_v``); masked rows read as 0."""
+    k = tl.load(k_ptr + idx[:, None] * s_k + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
+    v = tl.load(v_ptr + idx[:, None] * s_v + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _load_queries(Q, DO, LSE, DELTA, b, head, qpos, qm, q_start, s_qb, s_qh, s_qt, s_ob, s_oh, s_ot, HKV, TQ,
+                  offs_d, offs_dv, dmask, dvmask, REP: tl.constexpr):
+    """What a backward kernel reads of the queries at positions ``qpos`` of ``head`` (one head or one per row):
+    q, dO, and the per-row LSE / delta; masked rows read as 0."""
+    q = tl.load(Q + (b * s_qb + head * s_qh + (qpos - q_start) * s_qt)[:, None] + offs_d[None, :],
+                mask=qm[:, None] & dmask[None, :], other=0.0)
+    do = tl.load(DO + (b * s_ob + head * s_oh + (qpos - q_start) * s_ot)[:, None] + offs_dv[None, :],
+                 mask=qm[:, None] & dvmask[None, :], other=0.0)
+    row = (b * HKV * REP + head) * TQ + qpos - q_start
+    lse = tl.load(LSE + row, mask=qm, other=0.0)
+    delta = tl.load(DELTA + row, mask=qm, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def _softmax_step(q, k, v, scale, valid, m_i, l_i, acc, PREC: tl.constexpr):
     """One key tile of the online softmax: scores ``q . k * scale`` (base 2, ``scale`` per query row),
     ``valid`` masks them; returns the updated running max, sum and output accumulator."""
@@ -126,8 +149,7 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
         for start in range(0, n_rows, BLOCK_N):
             rows = start + offs_n
             kmask = rows < n_rows
-            k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+            k, v = _load_kv(sk, sv, rows, s_km, s_vm, kmask, offs_d, offs_dv, dmask, dvmask)
             m_i, l_i, acc = _softmax_step(q, k, v, st, ok[:, None] & kmask[None, :], m_i, l_i, acc, PREC)
     # window: keys [(c+1-n)*C, (c+1)*C) that exist, causal (up to the tile's last query)
     lo = tl.maximum((c + 1 - NB) * C, k_start)
@@ -138,8 +160,7 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
         kmask = kpos < hi
-        k = tl.load(wk + (kpos - k_start)[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(wv + (kpos - k_start)[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+        k, v = _load_kv(wk, wv, kpos - k_start, s_wkt, s_wvt, kmask, offs_d, offs_dv, dmask, dvmask)
         m_i, l_i, acc = _softmax_step(q, k, v, bt, ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None]),
                                       m_i, l_i, acc, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -164,13 +185,9 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
     head, qpos, ok = _query_rows(pid_m, c, kvh, q_lo, q_hi, C, REP, BLOCK_M)
     offs_d, offs_dv, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
     dmask, dvmask = offs_d < D, offs_dv < DV
-    q_off = b * s_qb + head[:, None] * s_qh + (qpos - q_start)[:, None] * s_qt + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=ok[:, None] & dmask[None, :], other=0.0)
-    do = tl.load(DO + b * s_ob + head[:, None] * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
-                 mask=ok[:, None] & dvmask[None, :], other=0.0)
+    q, do, lse, delta = _load_queries(Q, DO, LSE, DELTA, b, head, qpos, ok, q_start, s_qb, s_qh, s_qt, s_ob, s_oh,
+                                      s_ot, HKV, TQ, offs_d, offs_dv, dmask, dvmask, REP)
     row = (b * HKV * REP + head) * TQ + qpos - q_start
-    lse = tl.load(LSE + row, mask=ok, other=0.0)
-    delta = tl.load(DELTA + row, mask=ok, other=0.0)
     log2_scale = sm_scale * 1.4426950408889634
     bt = tl.load(BTEMP + head, mask=ok, other=0.0).to(tl.float32)
     dq_s = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -184,8 +201,7 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
         for start in range(0, n_rows, BLOCK_N):
             rows = start + offs_n
             kmask = rows < n_rows
-            k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+            k, v = _load_kv(sk, sv, rows, s_km, s_vm, kmask, offs_d, offs_dv, dmask, dvmask)
             dq_s += _dq_step(q, k, v, do, lse, delta, st * log2_scale, ok[:, None] & kmask[None, :], PREC)
     lo = tl.maximum((c + 1 - NB) * C, k_start)
     hi = tl.minimum((c + 1) * C, tl.minimum(k_start + NK, q_hi))
@@ -195,15 +211,15 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
         kmask = kpos < hi
-        k = tl.load(wk + (kpos - k_start)[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(wv + (kpos - k_start)[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+        k, v = _load_kv(wk, wv, kpos - k_start, s_wkt, s_wvt, kmask, offs_d, offs_dv, dmask, dvmask)
         valid = ok[:, None] & kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         dq_w += _dq_step(q, k, v, do, lse, delta, bt * log2_scale, valid, PREC)
     qf = q.to(tl.float32)
     tl.store(TS + row, tl.sum(qf * dq_s, 1) * sm_scale, mask=ok)
     tl.store(TW + row, tl.sum(qf * dq_w, 1) * sm_scale, mask=ok)
     dq = (dq_s * st[:, None] + dq_w * bt[:, None]) * sm_scale
-    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=ok[:, None] & dmask[None, :])
+    tl.store(DQ + (b * s_qb + head * s_qh + (qpos - q_start) * s_qt)[:, None] + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=ok[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=_POS_ARGS)
@@ -238,13 +254,8 @@ def _bwd_dkv_state_kernel(Q, SK, SV, ROWS, STEMP, DO, LSE, DELTA, DSK, DSV,
             for start in range(lo, hi, BLOCK_M):
                 qpos = start + offs_m
                 qm = qpos < hi
-                q = tl.load(Q + b * s_qb + head * s_qh + (qpos - q_start)[:, None] * s_qt + offs_d[None, :],
-                            mask=qm[:, None] & dmask[None, :], other=0.0)
-                do = tl.load(DO + b * s_ob + head * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
-                             mask=qm[:, None] & dvmask[None, :], other=0.0)
-                row = (b * HKV * REP + head) * TQ + qpos - q_start
-                lse = tl.load(LSE + row, mask=qm, other=0.0)
-                delta = tl.load(DELTA + row, mask=qm, other=0.0)
+                q, do, lse, delta = _load_queries(Q, DO, LSE, DELTA, b, head, qpos, qm, q_start, s_qb, s_qh, s_qt,
+                                                  s_ob, s_oh, s_ot, HKV, TQ, offs_d, offs_dv, dmask, dvmask, REP)
                 dv_t, dk_t = _dkv_step(k, v, q, do, lse, delta, st * 1.4426950408889634,
                                        kmask[:, None] & qm[None, :], PREC)
                 dv += dv_t
@@ -284,13 +295,8 @@ def _bwd_dkv_window_kernel(Q, WK, WV, BTEMP, DO, LSE, DELTA, DWK, DWV,
         for start in range(lo, hi, BLOCK_M):
             qpos = start + offs_m
             qm = qpos < hi
-            q = tl.load(Q + b * s_qb + head * s_qh + (qpos - q_start)[:, None] * s_qt + offs_d[None, :],
-                        mask=qm[:, None] & dmask[None, :], other=0.0)
-            do = tl.load(DO + b * s_ob + head * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
-                         mask=qm[:, None] & dvmask[None, :], other=0.0)
-            row = (b * HKV * REP + head) * TQ + qpos - q_start
-            lse = tl.load(LSE + row, mask=qm, other=0.0)
-            delta = tl.load(DELTA + row, mask=qm, other=0.0)
+            q, do, lse, delta = _load_queries(Q, DO, LSE, DELTA, b, head, qpos, qm, q_start, s_qb, s_qh, s_qt,
+                                              s_ob, s_oh, s_ot, HKV, TQ, offs_d, offs_dv, dmask, dvmask, REP)
             first = ((qpos // C) + 1 - NB) * C                     # window start of each query's chunk
             valid = kmask[:, None] & qm[None, :] & (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] >= first[None, :])
             dv_t, dk_t = _dkv_step(k, v, q, do, lse, delta, bt * 1.4426950408889634, valid, PREC)

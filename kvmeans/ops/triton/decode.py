@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import INTERPRETED, _pow2, _softmax_step, dot_precision
+from .attention import INTERPRETED, _load_kv, _pow2, _softmax_step, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]
@@ -59,8 +59,7 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
     for start in range(0, n_rows, BLOCK_N):
         rows = start + offs_n
         kmask = rows < n_rows
-        k = tl.load(sk + rows[:, None] * s_km + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(sv + rows[:, None] * s_vm + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+        k, v = _load_kv(sk, sv, rows, s_km, s_vm, kmask, offs_d, offs_dv, dmask, dvmask)
         m_i, l_i, acc = _softmax_step(q, k, v, st, ok[:, None] & kmask[None, :], m_i, l_i, acc, PREC)
     wk = WK + b * s_wkb + kvh * s_wkh
     wv = WV + b * s_wvb + kvh * s_wvh
@@ -68,8 +67,7 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
     for start in range(0, w_len, BLOCK_N):
         w = start + offs_n
         kmask = w < w_len
-        k = tl.load(wk + w[:, None] * s_wkt + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(wv + w[:, None] * s_wvt + offs_dv[None, :], mask=kmask[:, None] & dvmask[None, :], other=0.0)
+        k, v = _load_kv(wk, wv, w, s_wkt, s_wvt, kmask, offs_d, offs_dv, dmask, dvmask)
         m_i, l_i, acc = _softmax_step(q, k, v, bt, ok[:, None] & kmask[None, :] & (w[None, :] <= last[:, None]),
                                       m_i, l_i, acc, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
