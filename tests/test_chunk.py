@@ -4,6 +4,7 @@ import torch
 
 import kvmeans.ops.chunk as chunk_mod
 from kvmeans import StateBudget, kvm_attention
+from kvmeans.bench.arms import saved_bytes
 from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs
 
 NAMES = ["q", "k", "v", "gate", "state_norm_weight", "state_norm_bias", "state_temp", "bswa_temp"]
@@ -111,18 +112,6 @@ def test_auto_backward_switches_to_reconstruction_for_large_graphs(monkeypatch):
     assert calls
 
 
-def _saved_bytes(fn):
-    """Bytes autograd keeps for backward while ``fn`` runs (distinct storages)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(storages.values()), out
-
-
 @pytest.mark.parametrize("budget", [StateBudget.fixed(128), StateBudget.power_law(8, 0.5, min_len=8)])
 def test_reconstruction_keeps_no_state_copy_per_chunk(budget, monkeypatch):
     """Saved for backward: O(T + state), not O(chunks * state). 128 chunks, one per group, a state of up
@@ -133,9 +122,9 @@ def test_reconstruction_keeps_no_state_copy_per_chunk(budget, monkeypatch):
     call = lambda: kvm_attention(inputs["q"], inputs["k"], inputs["v"], inputs["gate"], chunk_len=C, n_bswa_chunks=2,
                                  budget=budget, return_state=True, backend="chunked")
     monkeypatch.setattr(chunk_mod, "BACKWARD", "graph")
-    graph, _ = _saved_bytes(call)
+    graph, _ = saved_bytes(call)
     monkeypatch.setattr(chunk_mod, "BACKWARD", "reconstruct")
-    rec, (y, state) = _saved_bytes(call)
+    rec, (y, state) = saved_bytes(call)
     token_bytes = sum(t.numel() * 4 for t in (inputs["q"], inputs["k"], inputs["v"]))
     rows = [state.num_rows] if budget.kind == "fixed" else [budget(c * C) for c in range(T // C)]
     snapshots = sum(min(r, state.num_rows) for r in rows) * 2 * Hkv * (2 * D + 1) * 4 * (T // C - 2) // len(rows)

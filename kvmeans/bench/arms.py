@@ -90,23 +90,29 @@ def measure_prefill(a, arm, x, ctx=None) -> Dict[str, float]:
         return {"time": clock(a.dev) - t0}
 
 
-def measure_backward(a, arm, x, ctx=None) -> Dict[str, float]:
-    """``(y * dy).sum().backward()`` alone (``time``); the forward with grad is ``fwd_grad``; ``saved_bytes``
-    what autograd keeps for backward (distinct storages, the inputs q, k, v, g included when kept)."""
-    q, k, v, g = (t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g))
+def saved_bytes(fn):
+    """``(bytes, fn())``: what autograd keeps for backward while ``fn`` runs (distinct storages)."""
     kept = {}
 
     def pack(t):
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
-    t0 = clock(a.dev)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g)
+        out = fn()
+    return sum(kept.values()), out
+
+
+def measure_backward(a, arm, x, ctx=None) -> Dict[str, float]:
+    """``(y * dy).sum().backward()`` alone (``time``); the forward with grad is ``fwd_grad``; ``saved_bytes``
+    what autograd keeps for backward (distinct storages, the inputs q, k, v, g included when kept)."""
+    q, k, v, g = (t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g))
+    t0 = clock(a.dev)
+    kept, y = saved_bytes(lambda: sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g))
     t1 = clock(a.dev)
     loss = (y * x.dy).sum()
     t2 = clock(a.dev)
     loss.backward()
-    return {"time": clock(a.dev) - t2, "fwd_grad": t1 - t0, "saved_bytes": float(sum(kept.values()))}
+    return {"time": clock(a.dev) - t2, "fwd_grad": t1 - t0, "saved_bytes": float(kept)}
 
 
 def prepare_decode(a, arm, x):

@@ -66,7 +66,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend)
     _check_numerics(numerics)
     budget_fn = as_budget(budget)
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    compute = torch.float32 if q.dtype in HALF else q.dtype
     if numerics == "reference":         # the authors' eager code computes in the model dtype
         compute = q.dtype
     state_temp = _check_vec(state_temp, "state_temp", H, q, compute)
