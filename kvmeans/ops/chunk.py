@@ -43,10 +43,7 @@ class _Routes:
     created: Tensor         # [B, Hkv, N] token creates a row (initial fill or append)
     ungated: Tensor         # [B, Hkv, N] token enters with its ungated key/value
     rows_at: List[int]      # rows visible to query chunk c (0 while the state is inactive)
-    keys: Tensor            # exact final state from the routing pass (no autograd)
-    values: Tensor
-    radii: Tensor
-    coverage: int
+    num_rows: int           # rows of the final state
 
 
 def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
@@ -88,7 +85,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     dk, dv, rad = token_streams(kbar, vv[:, :, enter], gg[:, :, enter], routes.ungated, gate_keys=gate_keys,
                                 gate_values=gate_values, gate_appends=False)
     dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
-    m_final = routes.keys.shape[2]
+    m_final = routes.num_rows
     base = [_pad_rows(t, m_final) for t in state.rows()]       # sums of tokens arrived before the group
     streams = (dk, dv, dr)
 
@@ -403,7 +400,5 @@ def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appen
             rows += n
         else:
             dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
-    K, V, R = (t.clone() for t in scratch.rows())
-    cov = scratch.coverage
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
-    return _Routes(dest, created, ungated, rows_at, K, V, R, cov)
+    return _Routes(dest, created, ungated, rows_at, scratch.num_rows)
