@@ -166,7 +166,7 @@ class GPTAlphaAttention(nn.Module):
             # LoRA width as the reference: max(32, round(1.3*sqrt(hidden)/32)*32) (32 up to ~1.4k wide).
             lora = max(32, int(round(1.3 * math.sqrt(c.hidden_size) / 32)) * 32)
             ramp = torch.arange(d_v, dtype=torch.float32) / max(d_v - 1, 1) - 0.5
-            self.v_gate0 = nn.Parameter((0.73 - 0.4 * ramp).view(1, 1, d_v))
+            self.v_gate0 = nn.Parameter((0.73 - 0.4 * ramp).view(1, 1, d_v).to(torch.get_default_dtype()))
             self.v_gate1 = nn.Linear(c.hidden_size, lora, bias=False)
             self.v_gate2 = nn.Linear(lora, d_v, bias=False)
             with torch.no_grad():

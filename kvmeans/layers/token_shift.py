@@ -53,7 +53,7 @@ class TokenShift(nn.Module):
         super().__init__()
         if predecessor not in PREDECESSORS:
             raise ValueError(f"predecessor must be one of {PREDECESSORS}, got {predecessor!r}")
-        init = torch.as_tensor(alpha_init, dtype=torch.float32)
+        init = torch.as_tensor(alpha_init, dtype=torch.get_default_dtype())
         self.alpha = nn.Parameter(init.expand(dim).clone())
         self.predecessor = predecessor
 
@@ -66,10 +66,14 @@ class TokenShift(nn.Module):
 
 
 def alpha_ramp(dim: int, power: float) -> Tensor:
-    """``[dim]`` fp32 ramp ``1 - (i/dim)**power``: channel 0 fully shifted, later ones less."""
+    """``[dim]`` ramp ``1 - (i/dim)**power`` in the default dtype: channel 0 fully shifted, later ones less.
+
+    Computed in fp32 and then cast, so a model built under a bf16 default dtype (``from_pretrained(...,
+    dtype=torch.bfloat16)``, the authors' training) holds bf16 alphas like every other parameter.
+    """
     # i/dim in float64 then rounded once, as the reference fills it from Python floats.
     frac = (torch.arange(dim, dtype=torch.float64) / dim).float()
-    return 1.0 - frac.pow(power)
+    return (1.0 - frac.pow(power)).to(torch.get_default_dtype())
 
 
 def _depth_ratio(layer_idx: int, num_layers: int) -> float:
