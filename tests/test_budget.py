@@ -61,5 +61,39 @@ def test_bad_budgets(make, match):
 def test_bad_callable_budget():
     with pytest.raises(ValueError, match="must return >= 0"):
         plan_updates(lambda t: -1, 4, 4, 40, 4, 2)
-    with pytest.raises(TypeError, match="must return an int"):
+    with pytest.raises(TypeError, match="must return a finite int"):
         plan_updates(lambda t: "many", 4, 4, 40, 4, 2)
+
+
+def test_int_budget_is_fixed_budget():
+    import torch
+    from kvmeans import kvm_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    for n in (4, 9):
+        y_int, s_int = kvm_attention(q, k, v, chunk_len=4, budget=n, return_state=True)
+        y_fix, s_fix = kvm_attention(q, k, v, chunk_len=4, budget=StateBudget.fixed(n), return_state=True)
+        assert s_int.num_rows == s_fix.num_rows == n and torch.equal(y_int, y_fix)
+    for budget in (3, StateBudget.fixed(3)):           # below the initial chunk: both refused alike
+        with pytest.raises(ValueError, match=r"budget=3 \(fixed\) would shrink .* use budget=4"):
+            kvm_attention(q, k, v, chunk_len=4, budget=budget)
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: StateBudget.fixed(3.7), TypeError, "n must be an int, got 3.7"),
+    (lambda: StateBudget.fixed(True), TypeError, "n must be an int, got True"),
+    (lambda: StateBudget.power_law(float("inf")), ValueError, "factor must be a finite number"),
+    (lambda: StateBudget.power_law(16, float("nan")), ValueError, "exponent must be a finite number"),
+    (lambda: StateBudget.saturating(1024, min_len=0.5), TypeError, "min_len must be an int"),
+    (lambda: StateBudget.saturating(1024, max_len=1e4), TypeError, "max_len must be an int"),
+])
+def test_budget_fields_are_typed(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_budgets_past_float_range():
+    assert StateBudget.power_law(1, 80.0)(10**6) > 10**9          # overflows a float: "as many as can exist"
+    assert rows_after(StateBudget.power_law(1, 80.0), 64, 4, 2) == rows_after(lambda t: 10**400, 64, 4, 2) == 56   # every covered token
+    with pytest.raises(TypeError, match="returned inf; a budget must return a finite int"):
+        plan_updates(lambda t: float("inf"), 4, 4, 40, 4, 2)

@@ -27,6 +27,39 @@ v = torch.randn(1, 2, 10, 8)
     ((q, k, v), dict(budget="big"), TypeError, "budget must be a StateBudget"),
     ((q, k, v), dict(backend="cuda"), ValueError, "backend must be one of"),
     ((q, k, v), dict(initial_state="state"), TypeError, "initial_state must be a KVMState"),
+    # every scalar: non-finite, out of range or wrong-typed values name the argument
+    ((q, k, v), dict(chunk_len=4.0), ValueError, "chunk_len must be a positive int"),
+    ((q, k, v), dict(chunk_len=True), ValueError, "chunk_len must be a positive int"),
+    ((q, k, v), dict(n_bswa_chunks=2.5), ValueError, "n_bswa_chunks must be an int >= 1"),
+    ((q, k, v), dict(chunk_len=4, budget=4, sink_len=True), ValueError, "sink_len must be an int"),
+    ((q, k, v), dict(chunk_len=4, budget=4, sink_len=-1), ValueError, "sink_len must be an int"),
+    ((q, k, v), dict(chunk_len=4, budget=4, sink_len=1.0), ValueError, "sink_len must be an int"),
+    ((q, k, v), dict(rope_dim=True), ValueError, "rope_dim must be an int"),
+    ((q, k, v), dict(scale=float("nan")), ValueError, "scale must be a finite number > 0, got nan"),
+    ((q, k, v), dict(scale=float("inf")), ValueError, "scale must be a finite number > 0"),
+    ((q, k, v), dict(scale=0.0), ValueError, "scale must be a finite number > 0"),
+    ((q, k, v), dict(scale="0.1"), ValueError, "scale must be a finite number > 0"),
+    ((q, k, v), dict(state_norm_eps=0.0), ValueError, "state_norm_eps must be a finite number > 0"),
+    ((q, k, v), dict(state_norm_eps=-1e-5), ValueError, "state_norm_eps must be a finite number > 0"),
+    ((q, k, v), dict(state_norm_eps=float("nan")), ValueError, "state_norm_eps must be a finite number > 0"),
+    ((q, k, v), dict(value_radius="no"), TypeError, "value_radius must be a bool, got 'no'"),
+    ((q, k, v), dict(gate_keys=None), TypeError, "gate_keys must be a bool"),
+    ((q, k, v), dict(gate_values=2), TypeError, "gate_values must be a bool"),
+    ((q, k, v), dict(gate_appends="False"), TypeError, "gate_appends must be a bool"),
+    ((q, k, v), dict(return_state="yes"), TypeError, "return_state must be a bool"),
+    ((q, k, v), dict(backend=["auto"]), ValueError, "backend must be one of"),
+    ((q, k, v), dict(numerics=None), ValueError, "numerics must be one of"),
+    ((q, k, v), dict(budget=True), TypeError, "got a bool"),
+    ((q, k, v), dict(chunk_len=4, budget=3), ValueError, r"budget=3 \(fixed\) would shrink the state"),
+    ((q, k, v), dict(chunk_len=4, budget=StateBudget.fixed(3)), ValueError, r"budget=3 \(fixed\) would shrink"),
+    ((q, k, v), dict(chunk_len=2, budget=lambda t: float("inf")), TypeError, "returned inf; a budget must return a finite"),
+    ((q, k, v), dict(chunk_len=2, budget=lambda t: float("nan")), TypeError, "returned nan"),
+    # degenerate shapes: only T may be 0
+    ((q[:0], k[:0], v[:0]), {}, ValueError, r"B \(batch\) is 0"),
+    ((q[..., :0], k[..., :0], v), {}, ValueError, r"D \(head dim\) is 0"),
+    ((q, k, v[..., :0]), {}, ValueError, r"Dv \(value dim\) is 0"),
+    ((q[:, :0], k, v), {}, ValueError, r"H \(q heads\) is 0"),
+    ((q.to("meta"), k.to("meta"), v.to("meta")), {}, ValueError, "q is a meta tensor"),
 ])
 def test_bad_arguments(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -54,3 +87,9 @@ def test_carried_state_larger_than_a_fixed_budget():
 def test_empty_sequence():
     y, s = kvm_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], return_state=True)
     assert y.shape == (1, 4, 0, 8) and s.seen_tokens == 0
+
+
+def test_flags_accept_the_authors_ints():
+    y0 = kvm_attention(q, k, v, chunk_len=4, budget=4, gate_keys=True, value_radius=True)
+    y1 = kvm_attention(q, k, v, chunk_len=4, budget=4, gate_keys=1, value_radius=1)
+    assert torch.equal(y0, y1)

@@ -8,6 +8,8 @@ The op then caps it by the rows that could exist and never lets the state shrink
 from __future__ import annotations
 
 import math
+import numbers
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -33,6 +35,16 @@ class StateBudget:
     def __post_init__(self):
         if self.kind not in ("fixed", "power_law", "saturating"):
             raise ValueError(f"StateBudget kind must be fixed, power_law or saturating, got {self.kind!r}")
+        for name in ("n", "min_len", "round_down") + (("max_len",) if self.max_len is not None else ()):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise TypeError(f"StateBudget: {name} must be an int, got {x!r}")
+            object.__setattr__(self, name, int(x))
+        for name in ("factor", "exponent"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+                raise ValueError(f"StateBudget: {name} must be a finite number, got {x!r}")
+            object.__setattr__(self, name, float(x))
         if self.kind == "fixed" and self.n < 1:
             raise ValueError(f"StateBudget.fixed(n): n must be >= 1, got {self.n}")
         if self.kind == "saturating" and self.n < 1:
@@ -53,20 +65,20 @@ class StateBudget:
     @classmethod
     def fixed(cls, n: int) -> "StateBudget":
         """Exactly ``n`` rows once there are enough tokens (paper: KVM fixed-256 is ``fixed(256)``)."""
-        return cls("fixed", n=int(n))
+        return cls("fixed", n=n)
 
     @classmethod
     def power_law(cls, factor: float, exponent: float = 0.5, min_len: int = 0, round_down: int = 1,
                   max_len: Optional[int] = None) -> "StateBudget":
         """``floor(factor * t**exponent)``; 16*sqrt(N) is ``power_law(16, 0.5, min_len=256)``."""
-        return cls("power_law", factor=float(factor), exponent=float(exponent), min_len=int(min_len),
-                   round_down=int(round_down), max_len=max_len)
+        return cls("power_law", factor=factor, exponent=exponent, min_len=min_len, round_down=round_down,
+                   max_len=max_len)
 
     @classmethod
     def saturating(cls, n: int, min_len: int = 0, round_down: int = 1,
                    max_len: Optional[int] = None) -> "StateBudget":
         """``floor(n*t/(n+t))``: grows like ``t`` early and saturates at ``n``."""
-        return cls("saturating", n=int(n), min_len=int(min_len), round_down=int(round_down), max_len=max_len)
+        return cls("saturating", n=n, min_len=min_len, round_down=round_down, max_len=max_len)
 
     # ---- evaluation -----------------------------------------------------------------------
     def __call__(self, ctx_len: int) -> int:
@@ -74,7 +86,10 @@ class StateBudget:
         if self.kind == "fixed":
             return self.n
         if self.kind == "power_law":
-            target = math.floor(self.factor * t ** self.exponent)
+            try:
+                target = math.floor(self.factor * float(t) ** self.exponent)
+            except OverflowError:           # more rows than could ever exist: the op caps it by the tokens
+                target = sys.maxsize
         else:
             target = (self.n * t) // (self.n + t)
         target = target // self.round_down * self.round_down
@@ -97,7 +112,8 @@ BudgetLike = Union[StateBudget, Callable[[int], int], int]
 
 
 def as_budget(budget: BudgetLike) -> Callable[[int], int]:
-    """Accept a StateBudget, a plain int (fixed) or any callable ``ctx_len -> rows``."""
+    """Accept a StateBudget, a plain int ``n`` (exactly ``StateBudget.fixed(n)``: same rows, same checks)
+    or any callable ``ctx_len -> rows``."""
     if isinstance(budget, bool):
         raise TypeError("budget must be a StateBudget, an int or a callable ctx_len -> rows, got a bool")
     if isinstance(budget, int):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -34,7 +35,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         chunk_len: C, tokens per block.  n_bswa_chunks: n, blocks kept uncompressed (L = n*C).
         sink_len: leading state rows never merged into (attention sinks); ``0 <= sink_len < chunk_len``.
         rope_dim: leading key channels (the rotary ones) zeroed before a key enters the state.
-        budget: state size schedule, a :class:`StateBudget`, an int (fixed) or a callable ``ctx_len -> rows``.
+        budget: state size schedule, a :class:`StateBudget`, an int ``n`` (exactly ``StateBudget.fixed(n)``;
+            a fixed budget must be ``>= chunk_len``, the rows of the initial chunk) or a callable
+            ``ctx_len -> rows`` (a finite int; values below the current rows keep them: the state never shrinks).
         state_norm_weight, state_norm_bias: ``[D]`` affine of LN_s (None: no affine). state_norm_eps: its eps.
         state_temp, bswa_temp: ``[H]`` inverse temperatures of state keys / window keys (None: 1).
         value_radius: False is the ablation that reads state values as running means.
@@ -63,8 +66,13 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     """
     B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
     gate = _check_gate(gate, q, B, Hkv, T)
-    _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend)
+    _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend)
     _check_numerics(numerics)
+    state_norm_eps = _positive_real("state_norm_eps", state_norm_eps)
+    scale = 1.0 / math.sqrt(D) if scale is None else _positive_real("scale", scale)
+    value_radius, return_state, gate_keys, gate_values, gate_appends = (_flag(name, x) for name, x in (
+        ("value_radius", value_radius), ("return_state", return_state), ("gate_keys", gate_keys),
+        ("gate_values", gate_values), ("gate_appends", gate_appends)))
     budget_fn = as_budget(budget)
     compute = torch.float32 if q.dtype in HALF else q.dtype
     if numerics == "reference":         # the authors' eager code computes in the model dtype
@@ -73,9 +81,8 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     bswa_temp = _check_vec(bswa_temp, "bswa_temp", H, q, compute)
     ln_w = _check_vec(state_norm_weight, "state_norm_weight", D, q, None)
     ln_b = _check_vec(state_norm_bias, "state_norm_bias", D, q, None)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     geometry = dict(chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim,
-                    value_radius=bool(value_radius))
+                    value_radius=value_radius)
     if initial_state is None:
         state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=q.device, **geometry)
         if numerics == "reference":
@@ -89,7 +96,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                              f"(numerics={numerics!r}); continue a sequence with the numerics that started it, "
                              f"or convert it with state.to({compute})")
         state = initial_state
-    _check_budget_against_state(budget, state, chunk_len)
+    _check_budget_against_state(budget_fn, state, chunk_len)
 
     if T == 0:
         y = q.new_zeros(B, H, 0, Dv)
@@ -143,6 +150,9 @@ def _check_tensors(q, k, v):
             raise ValueError(f"{name} must be 4-D {want}, got shape {list(t.shape)}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.is_meta:
+            raise ValueError(f"{name} is a meta tensor (shape only, no data); kvm_attention needs real tensors: "
+                             f"materialise the model first (e.g. module.to_empty(device=...) and load weights)")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast q, k, v to one dtype")
@@ -157,6 +167,11 @@ def _check_tensors(q, k, v):
     if k.shape[3] != D:
         raise ValueError(f"k has head dim {k.shape[3]} but q has {D}; q and k must share D")
     Hkv = k.shape[1]
+    for name, size in (("B (batch)", B), ("H (q heads)", H), ("Hkv (kv heads)", Hkv), ("D (head dim)", D),
+                       ("Dv (value dim)", v.shape[3])):
+        if size == 0:
+            raise ValueError(f"{name} is 0 (q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}); only the "
+                             f"sequence length T may be 0")
     if v.shape[1] != Hkv:
         raise ValueError(f"v has {v.shape[1]} heads but k has {Hkv}; k and v must have the same Hkv")
     if Hkv == 0 or H % Hkv:
@@ -178,35 +193,56 @@ def _check_gate(gate, q, B, Hkv, T):
     return gate
 
 
-def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, budget, backend):
-    if isinstance(chunk_len, bool) or not isinstance(chunk_len, int) or chunk_len < 1:
-        raise ValueError(f"chunk_len must be a positive int, got {chunk_len!r}")
-    if isinstance(n_bswa_chunks, bool) or not isinstance(n_bswa_chunks, int) or n_bswa_chunks < 1:
-        raise ValueError(f"n_bswa_chunks must be an int >= 1, got {n_bswa_chunks!r}")
-    if not isinstance(sink_len, int) or not 0 <= sink_len < chunk_len:
+def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend):
+    _int("chunk_len", chunk_len, 1, "a positive int (tokens per block)")
+    _int("n_bswa_chunks", n_bswa_chunks, 1, "an int >= 1 (blocks kept uncompressed)")
+    _int("sink_len", sink_len, 0, f"an int in [0, chunk_len={chunk_len})")
+    if sink_len >= chunk_len:
         raise ValueError(f"sink_len={sink_len!r} leaves no mergeable state row: it must satisfy "
                          f"0 <= sink_len < chunk_len={chunk_len}")
-    if not isinstance(rope_dim, int) or not 0 <= rope_dim <= D:
+    _int("rope_dim", rope_dim, 0, f"an int in [0, D={D}]")
+    if rope_dim > D:
         raise ValueError(f"rope_dim must be an int in [0, D={D}], got {rope_dim!r}")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def _int(name, x, low, want):
+    """Refuse bools, floats and other non-integers, and values below ``low``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
+        raise ValueError(f"{name} must be {want}, got {x!r}")
+
+
+def _positive_real(name, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+    return float(x)
+
+
+def _flag(name, x) -> bool:
+    """A bool, or 0 / 1 (the authors' configs store flags as ints); a string or None is refused."""
+    if isinstance(x, bool) or (isinstance(x, numbers.Integral) and x in (0, 1)):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {x!r}")
+
+
 def _check_numerics(numerics):
-    if numerics not in NUMERICS:
+    if not isinstance(numerics, str) or numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS} ('exact': kvmeans' default; 'mixed': half-precision "
                          f"attention dots like flash attention; 'reference': the authors' eager rounding points), "
                          f"got {numerics!r}")
 
 
 def _check_budget_against_state(budget, state, chunk_len):
+    """A fixed budget (an int ``n`` is ``StateBudget.fixed(n)``) must hold the rows that already exist: the
+    initial chunk (``chunk_len`` rows) or the carried state; the state never shrinks."""
     if isinstance(budget, StateBudget) and budget.kind == "fixed":
         floor = max(state.num_rows, chunk_len)
         if budget.n < floor:
             what = f"the carried state's {state.num_rows} rows" if state.num_rows > chunk_len else \
                 f"the initial state of chunk_len={chunk_len} rows"
-            raise ValueError(f"budget={budget!r} would shrink the state below {what}; the state never shrinks: "
-                             f"use StateBudget.fixed({floor}) or more")
+            raise ValueError(f"budget={budget.n} (fixed) would shrink the state below {what}; the state never "
+                             f"shrinks: use budget={floor} or more")
 
 
 def _check_vec(t, name, size, q, dtype):

@@ -5,6 +5,8 @@ Notation: C = chunk_len, n = n_bswa_chunks, L = n*C (the BSWA span).
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, List
 
@@ -32,11 +34,14 @@ def desired_rows(budget: Callable[[int], int], block_start: int, rows: int, chun
     """
     ctx_len = block_start + n_bswa_chunks * chunk_len
     target = budget(ctx_len)
-    if isinstance(target, bool) or not isinstance(target, int):
-        try:
-            target = int(target)
-        except (TypeError, ValueError):
-            raise TypeError(f"budget({ctx_len}) returned {target!r}; a budget must return an int row count") from None
+    try:
+        finite = isinstance(target, numbers.Integral) or math.isfinite(float(target))
+    except (TypeError, ValueError):
+        finite = False
+    finite = finite and not isinstance(target, bool)
+    if not finite:
+        raise TypeError(f"budget({ctx_len}) returned {target!r}; a budget must return a finite int row count")
+    target = int(target)
     if target < 0:
         raise ValueError(f"budget({ctx_len}) returned {target} rows; a budget must return >= 0 rows")
     target = min(target, block_start + chunk_len)
