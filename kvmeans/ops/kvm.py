@@ -49,8 +49,10 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         gate_appends: also gate the rows created by appends (the authors' ``kvm_apply_merge_gate_to_appends``).
         backend: ``"auto"`` | ``"naive"`` (the spec) | ``"chunked"`` (prefill/training) | ``"recurrent"``
             (no-grad continuation / decode) | ``"triton"`` (the chunked / recurrent paths with the fused Triton
-            attention and decode kernels; CUDA, float32 / half compute). ``"auto"`` picks Triton when q is on CUDA
-            and Triton is installed, the torch paths otherwise. All give the same result.
+            attention and decode kernels; CUDA, float32 / half compute). ``"auto"`` picks Triton when q is on CUDA,
+            Triton is installed and the kernels passed a one-time self-check against the torch path for this
+            (device, dtype, numerics) (:mod:`kvmeans.ops.triton.selfcheck`; on failure it warns once and
+            uses the torch paths), the torch paths otherwise. All give the same result.
         numerics: ``"exact"`` (default: fp32 compute for half inputs, ungated routing key, readout in the
             compute dtype); ``"mixed"``: as exact, except that with half inputs the prefill / training attention
             (chunked path and its Triton kernels) multiplies q, the window and the read-out state in the input
@@ -106,14 +108,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                   gate_values=gate_values, gate_appends=gate_appends)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
-    attn = "torch"      # attention kernels of the chunked / recurrent paths
-    if backend == "triton" or (backend == "auto" and q.is_cuda and numerics != "reference"):
-        from .triton import unavailable_reason    # cheap: does not import triton
-        why = unavailable_reason(q.device, compute)
-        if why is None:
-            attn, backend = "triton", "auto"
-        elif backend == "triton":
-            raise ValueError(f"backend='triton' cannot run here: {why}")
+    attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
     if backend == "auto":
         backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
     if backend == "recurrent" and needs_grad and numerics != "reference":
@@ -139,6 +134,23 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             new_state = initial_state
     y = y.to(q.dtype)
     return (y, new_state) if return_state else y
+
+
+def _kernels(backend, device, dtype, compute, numerics):
+    """``(attn, backend)``: the attention kernels of the chunked / recurrent paths ("torch" or "triton") and the
+    path still to choose. ``"auto"`` takes Triton on CUDA only once its self-check passed for
+    ``(device, dtype, numerics)``; ``"triton"`` forces it (or says why it cannot run)."""
+    if backend == "triton" or (backend == "auto" and device.type == "cuda" and numerics != "reference"):
+        from .triton import unavailable_reason    # cheap: does not import triton
+        why = unavailable_reason(device, compute)
+        if why is None and backend == "auto":
+            from .triton.selfcheck import triton_verified
+            why = None if triton_verified(device, dtype, numerics) else "self-check failed"
+        if why is None:
+            return "triton", "auto"
+        if backend == "triton":
+            raise ValueError(f"backend='triton' cannot run here: {why}")
+    return "torch", backend
 
 
 def _check_tensors(q, k, v):

@@ -1,0 +1,76 @@
+"""KVM in place of one transformers attention layer, over the layer's own projections, norms and RoPE.
+
+The family's attention ``forward`` still runs unchanged (q/k/v/o projections, biases, q/k norms, RoPE,
+GQA layout, cache update) and calls its attention function by name; a converted layer gets its own
+config copy naming ours (``kvmeans_converted``), so only that layer's score/softmax/value step becomes
+KVM. A forward pre-hook hands the function what the interface does not pass: the layer's cache entry
+and the RoPE cos/sin of the current positions.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Callable, Optional
+
+import torch
+from transformers import AttentionInterface
+
+from ..models.hf_kvm_cache import kvm_cache_layer
+from ..ops.pretrained import ConvertedKVMState, converted_kvm_attention
+
+ATTN_IMPLEMENTATION = "kvmeans_converted"
+
+
+def kvm_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: Optional[float] = None, softcap: Optional[float] = None, **kwargs):
+    """The transformers attention-interface function of a converted layer: ``q [B, H, T, D]`` (post-RoPE),
+    ``k``/``v [B, Hkv, T, D]`` (only the new tokens: the KVM cache layer passes them through) ->
+    ``([B, T, H, Dv], None)``. The causal mask is implied (padding is refused at the model level)."""
+    spec = module.kvm_spec
+    state, position_embeddings = module.__dict__.pop("_kvm_call")
+    cos = sin = cos_d = sin_d = None
+    if spec.rope_mode != "none":
+        if position_embeddings is None:
+            raise ValueError(f"layer {module.layer_idx} got no position_embeddings; rope_mode={spec.rope_mode!r} "
+                             "needs the model's RoPE (use rope_mode='none' for models without RoPE)")
+        cos, sin = position_embeddings
+        if spec.rope_mode == "pre_rope_fixed":
+            cos_d, sin_d = module.kvm_rope_at(spec.distance, query)
+    out = converted_kvm_attention(
+        query, key, value, state, scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
+        sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
+        softcap=softcap, log_count_bias=spec.log_count_bias)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, kvm_attention_forward)
+
+
+def _capture(module, args, kwargs):
+    """Forward pre-hook: stash the layer's KVM state (from the cache, or a fresh one without a cache)
+    and the RoPE cos/sin for :func:`kvm_attention_forward`."""
+    bound = module._kvm_signature.bind(*args, **kwargs).arguments
+    named = {**bound.pop("kwargs", {}), **bound}
+    cache = named.get("past_key_values", named.get("layer_past"))
+    state = ConvertedKVMState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
+    module._kvm_call = (state, named.get("position_embeddings"))
+
+
+def _release(module, args, output):
+    module.__dict__.pop("_kvm_call", None)
+
+
+def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Callable] = None) -> None:
+    """Make ``module`` (a transformers attention layer with ``layer_idx``) run KVM with ``spec`` (a
+    ``kvmeans.models.convert_hf.KVMSpec``); ``rope_at(distance, like) -> (cos [R], sin [R])`` is the model's
+    RoPE at one position (needed by ``rope_mode='pre_rope_fixed'``)."""
+    if getattr(module, "kvm_spec", None) is not None:
+        raise ValueError(f"attention layer {module.layer_idx} is already converted; convert the original model once")
+    module.config = copy.copy(module.config)
+    module.config._attn_implementation_internal = ATTN_IMPLEMENTATION   # this layer only (no sub-config walk)
+    module.kvm_spec = spec
+    module.kvm_rope_at = rope_at
+    module._kvm_signature = inspect.signature(module.forward)
+    module.register_forward_pre_hook(_capture, with_kwargs=True)
+    module.register_forward_hook(_release)

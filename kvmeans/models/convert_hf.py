@@ -1,0 +1,214 @@
+"""Training-free conversion of a pretrained transformers causal LM to KVM attention (docs/pretrained.md).
+
+``convert_hf(model, ...)`` converts the chosen attention layers in place and returns the same model
+object (same class: ``generate``, ``pipeline``, ``save_pretrained`` keep working); the settings are
+stored in ``config.json`` under ``kvm_conversion`` so :func:`load_converted` rebuilds the same model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..layers.hf_attention import convert_attention_layer
+from ..ops.budget import StateBudget, as_budget
+from ..ops.pretrained import ROPE_MODES
+
+CONFIG_KEY = "kvm_conversion"
+# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
+FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
+            "gpt_neox": True, "gpt2": False}
+
+
+@dataclass(frozen=True)
+class KVMSpec:
+    """The settings of a converted model (what ``kvm_conversion`` in config.json stores).
+
+    ``budget``: state rows (``StateBudget`` or int); ``chunk_len``/``n_bswa_chunks``: the exact window
+    keeps the current and the n-1 previous chunks; ``sink_len``: leading rows never merged into;
+    ``rope_mode``: see ``kvmeans.ops.pretrained``; ``rope_distance``: the relative position at which
+    ``pre_rope_fixed`` reads state rows (None: the window span ``n_bswa_chunks * chunk_len``);
+    ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation).
+    """
+    budget: Union[StateBudget, int] = 128
+    chunk_len: int = 64
+    n_bswa_chunks: int = 2
+    sink_len: int = 4
+    rope_mode: str = "pre_rope_fixed"
+    rope_distance: Optional[int] = None
+    log_count_bias: bool = True
+
+    def __post_init__(self):
+        as_budget(self.budget)
+        if self.chunk_len < 1 or self.n_bswa_chunks < 1:
+            raise ValueError(f"chunk_len and n_bswa_chunks must be >= 1, got {self.chunk_len}, {self.n_bswa_chunks}")
+        if not 0 <= self.sink_len < self.chunk_len:
+            raise ValueError(f"sink_len must be in [0, chunk_len={self.chunk_len}), got {self.sink_len}")
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
+        if self.rope_distance is not None and self.rope_distance < 0:
+            raise ValueError(f"rope_distance must be >= 0 (or None for the window span), got {self.rope_distance}")
+
+    @property
+    def state_budget(self):
+        return as_budget(self.budget)
+
+    @property
+    def distance(self) -> int:
+        """Read distance of ``pre_rope_fixed``; ``split`` is the same read at distance 0."""
+        if self.rope_mode == "split":
+            return 0
+        return self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["budget"] = dataclasses.asdict(self.budget) if isinstance(self.budget, StateBudget) else self.budget
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVMSpec":
+        d = dict(d)
+        if isinstance(d.get("budget"), dict):
+            d["budget"] = StateBudget(**d["budget"])
+        return cls(**d)
+
+
+def _parse_budget(text: str) -> Union[StateBudget, int]:
+    kind, _, rest = text.partition(":")
+    args = [a for a in rest.split(":") if a]
+    try:
+        if kind.isdigit() and not rest:
+            return int(kind)
+        if kind == "fixed" and len(args) == 1:
+            return StateBudget.fixed(int(args[0]))
+        if kind == "saturating" and 1 <= len(args) <= 2:
+            return StateBudget.saturating(int(args[0]), *map(int, args[1:]))
+        if kind == "power_law" and 1 <= len(args) <= 3:
+            return StateBudget.power_law(float(args[0]), *(float(a) for a in args[1:2]), *map(int, args[2:]))
+    except ValueError:
+        pass
+    raise ValueError(f"budget {text!r} is not one of N, fixed:N, saturating:N[:MIN_LEN], "
+                     "power_law:FACTOR[:EXPONENT[:MIN_LEN]]")
+
+
+def _parse_layers(text: str) -> Union[str, list]:
+    if text == "all":
+        return text
+    out = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"layers {text!r}: use 'all', indices joined by '+' and ranges 'a-b' (e.g. 0-3+7)")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def parse_kvm_spec(text: str) -> dict:
+    """``"budget=fixed:128,chunk_len=64,n_bswa_chunks=2,sink_len=4"`` -> the keyword arguments of
+    :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields)."""
+    fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or (key not in fields and key != "layers"):
+            raise ValueError(f"--kvm item {item!r}: expected KEY=VALUE with KEY one of layers, {', '.join(fields)}")
+        if key == "layers":
+            out[key] = _parse_layers(val)
+        elif key == "budget":
+            out[key] = _parse_budget(val)
+        elif key == "rope_mode":
+            out[key] = val
+        elif key == "log_count_bias":
+            if val not in ("true", "false", "1", "0"):
+                raise ValueError(f"log_count_bias must be true or false, got {val!r}")
+            out[key] = val in ("true", "1")
+        elif key == "rope_distance" and val == "none":
+            out[key] = None
+        else:
+            if not val.isdigit():
+                raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
+            out[key] = int(val)
+    KVMSpec(**{k: v for k, v in out.items() if k != "layers"})        # validate now, with the spec's messages
+    return out
+
+
+def _attention_layers(model) -> dict:
+    """``{layer_idx: attention module}`` of the decoder's self-attention layers."""
+    found = {}
+    for name, mod in model.named_modules():
+        if (type(mod).__name__.endswith("Attention") and isinstance(getattr(mod, "layer_idx", None), int)
+                and not getattr(mod, "is_cross_attention", False)):
+            found[mod.layer_idx] = mod
+    return found
+
+
+def _rope_at(model, module):
+    """``(distance, like) -> (cos [R], sin [R])`` from the model's own rotary embedding (one source of truth
+    for theta, partial rotary and scaling; Gemma3 picks the layer type's RoPE)."""
+    rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+    extra = {"layer_type": module.layer_type} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+
+    def rope_at(distance: int, like: torch.Tensor):
+        x = torch.empty(0, device=like.device, dtype=torch.float32)
+        cos, sin = rotary(x, torch.tensor([[distance]], device=like.device), **extra)
+        return cos[0, 0], sin[0, 0]
+    return rope_at
+
+
+def _refuse_padding(model, args, kwargs):
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
+        raise ValueError("a KVM-converted model attends causally over whole sequences: attention_mask with padding "
+                         "(or a custom 4D mask) is not supported; run sequences of different lengths one by one")
+
+
+def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
+    """Give ``model`` (a transformers causal LM of a family in ``FAMILIES``) training-free KVM attention in
+    ``layers`` ("all": every global-attention layer; sliding-window layers of Gemma2/3 keep their window).
+    ``settings`` are :class:`KVMSpec` fields; ``rope_mode`` defaults to ``pre_rope_fixed`` with RoPE and
+    ``none`` without. Converts in place and returns ``model``."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    family = cfg.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}")
+    has_rope = FAMILIES[family]
+    settings.setdefault("rope_mode", "pre_rope_fixed" if has_rope else "none")
+    if not has_rope and settings["rope_mode"] != "none":
+        raise ValueError(f"{family} has no RoPE (learned absolute positions): use rope_mode='none'")
+    if has_rope and settings["rope_mode"] == "none":
+        raise ValueError(f"{family} rotates q/k: rope_mode='none' would mix rotated keys unknowingly; "
+                         "use pre_rope_fixed, post_rope or split")
+    spec = KVMSpec(**settings)
+    attn = _attention_layers(model)
+    kinds = getattr(cfg, "layer_types", None)
+    is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}
+    chosen = [i for i in sorted(attn) if is_global[i]] if layers == "all" else sorted(set(layers))
+    for i in chosen:
+        if i not in attn:
+            raise ValueError(f"layers: {i} is not an attention layer index (0..{len(attn) - 1})")
+        if not is_global[i]:
+            raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
+    for i in chosen:
+        convert_attention_layer(attn[i], spec, _rope_at(model, attn[i]) if has_rope else None)
+    if not getattr(model, "_kvm_padding_hook", False):
+        model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        model._kvm_padding_hook = True
+    model.config.kvm_conversion = {"layers": chosen, **spec.to_dict()}
+    return model
+
+
+def load_converted(path, **from_pretrained_kwargs):
+    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    settings = getattr(model.config, CONFIG_KEY, None)
+    if not settings:
+        raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "
+                         "load it with from_pretrained and call kvmeans.convert_hf")
+    settings = dict(settings)
+    layers = settings.pop("layers")
+    return convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))

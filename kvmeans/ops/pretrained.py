@@ -1,0 +1,194 @@
+"""Training-free KVM over a pretrained model's own queries, keys and values (docs/pretrained.md).
+
+A converted layer keeps KVM's geometry and routing (``schedule``: block window, lazy updates on the
+budget plan; ``routing.route_overflow``: sinks, least-redundant appends, argmax merges) but has no
+learned LN_s, temperatures or merge gate, so it reads its state without them: a row that stands for
+``m`` tokens is read as their mean key and mean value with a ``+log(m)`` logit bias (``m`` identical
+tokens then get their total weight). Routing is by cosine similarity.
+
+RoPE (``rope_mode``): ``post_rope`` merges the rotated keys; ``pre_rope_fixed`` merges unrotated keys
+and reads every row as if it sat ``distance`` tokens before the query (``q_rot(p).R(p-d)k`` equals
+``(R(d)q).k`` with the unrotated q, so one rotation of each query by ``d`` does it exactly);
+``split`` is the paper's NoPE state (unrotated q.k, i.e. distance 0) beside the RoPE window, one softmax;
+``none`` for models without RoPE (learned absolute positions).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .routing import route_overflow
+from .schedule import bswa_begin, plan_updates
+
+ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF ``rotate_half`` RoPE on the leading ``cos.shape[-1]`` channels (partial rotary keeps the rest).
+    ``x [B, H, T, D]``, ``cos``/``sin`` broadcastable to ``[B, 1, T, R]``."""
+    r = cos.shape[-1]
+    xr = x[..., :r] * cos + _rotate_half(x[..., :r]) * sin
+    return torch.cat((xr, x[..., r:]), dim=-1) if r < x.shape[-1] else xr
+
+
+def unrotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Exact inverse of :func:`rotate`, also when cos/sin carry an attention scaling ``a`` (``cos^2+sin^2 = a^2``)."""
+    r = cos.shape[-1]
+    xr = (x[..., :r] * cos - _rotate_half(x[..., :r]) * sin) / (cos * cos + sin * sin)
+    return torch.cat((xr, x[..., r:]), dim=-1) if r < x.shape[-1] else xr
+
+
+class ConvertedKVMState:
+    """What a converted layer carries between calls (one per layer, all batch rows and kv heads).
+
+    ``buf_*`` hold the tokens ``[covered, seen)`` not yet in the state: their post-RoPE keys, values and
+    the keys the state merges (unrotated keys in the pre-RoPE modes, None when equal to ``buf_k``);
+    ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``.
+    """
+
+    def __init__(self):
+        self.seen = 0
+        self.covered = 0
+        self.buf_k = self.buf_v = self.buf_s = None
+        self.key_sum = self.value_sum = self.count = None
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.count is None else self.count.shape[-1]
+
+    def _tensors(self):
+        return [t for t in (self.buf_k, self.buf_v, self.buf_s, self.key_sum, self.value_sum, self.count)
+                if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def index_select(self, idx: Tensor) -> "ConvertedKVMState":
+        """Keep/reorder batch rows (beam search, batch selection) in place."""
+        for name in ("buf_k", "buf_v", "buf_s", "key_sum", "value_sum", "count"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx.to(t.device)))
+        return self
+
+    def __repr__(self) -> str:
+        return (f"ConvertedKVMState(seen={self.seen}, rows={self.num_rows}, covered={self.covered}, "
+                f"buffered={self.seen - self.covered}, nbytes={self.nbytes})")
+
+
+def _cat(a: Optional[Tensor], b: Tensor) -> Tensor:
+    return b if a is None else torch.cat((a, b), dim=-2)
+
+
+def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
+             n_bswa_chunks: int, sink_len: int) -> None:
+    """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
+    the window (``schedule.plan_updates``: appends on the budget, the rest merged by cosine argmax)."""
+    target = bswa_begin(total, chunk_len, n_bswa_chunks)
+    if target <= st.covered:
+        return
+    skeys = st.buf_k if st.buf_s is None else st.buf_s
+    base = st.seen - st.buf_v.shape[-2]                 # token index of the buffer's first token
+    if st.count is None:                                 # the first chunk becomes the initial rows
+        st.key_sum = skeys[..., :chunk_len, :].float()
+        st.value_sum = st.buf_v[..., :chunk_len, :].float()
+        st.count = st.key_sum.new_ones(st.key_sum.shape[:-1])
+        st.covered = chunk_len
+    for step in plan_updates(budget, st.covered, st.num_rows, total, chunk_len, n_bswa_chunks):
+        blk = slice(step.start - base, step.start - base + chunk_len)
+        bk, bv = skeys[..., blk, :].float(), st.buf_v[..., blk, :].float()
+        sel = F.normalize(bk, dim=-1)
+        dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, step.n_append, sink_len)
+        pad = (0, 0, 0, max(step.n_append, 0))
+        st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
+        st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
+        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, torch.ones_like(dest, dtype=st.count.dtype))
+    drop = target - base
+    st.buf_k, st.buf_v = st.buf_k[..., drop:, :], st.buf_v[..., drop:, :]
+    st.buf_s = None if st.buf_s is None else st.buf_s[..., drop:, :]
+    st.covered = target
+
+
+def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVMState, *, scaling: float,
+                            budget: Callable[[int], int], chunk_len: int, n_bswa_chunks: int, sink_len: int,
+                            rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
+                            sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
+                            sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
+                            log_count_bias: bool = True) -> Tensor:
+    """Continue ``state`` by ``T`` tokens and return their attention output ``[B, H, T, Dv]``.
+
+    ``q [B, H, T, D]`` and ``k [B, Hkv, T, D]`` as the model rotated them (post-RoPE), ``v [B, Hkv, T, Dv]``;
+    ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
+    ``[R]`` the RoPE of the read distance (``pre_rope_fixed``). Tokens are processed chunk-aligned by
+    absolute position, so any split of a sequence (prefill + decode) gives the same result.
+    """
+    if rope_mode not in ROPE_MODES:
+        raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
+    B, H, T, D = q.shape
+    Hkv, G = k.shape[1], H // k.shape[1]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    pre_rope = rope_mode in ("pre_rope_fixed", "split")
+    if pre_rope:
+        c, s = cos.unsqueeze(1).to(dt), sin.unsqueeze(1).to(dt)
+        skeys = unrotate(k.to(dt), c, s)
+        q_state = unrotate(q.to(dt), c, s)
+        if rope_mode == "pre_rope_fixed":             # (R(d) q).k: a^2 R(d) on the rotary channels
+            a = (cos_d * cos_d + sin_d * sin_d).sqrt()
+            q_state = rotate(q_state, (cos_d * a).to(dt), (sin_d * a).to(dt))
+    else:
+        skeys, q_state = None, q
+    outs, start = [], state.seen
+    pos = start
+    while pos < start + T:
+        end = min((pos // chunk_len + 1) * chunk_len, start + T)
+        i0, i1 = pos - start, end - start
+        _advance(state, end, budget, chunk_len, n_bswa_chunks, sink_len)
+        state.buf_k, state.buf_v = _cat(state.buf_k, k[..., i0:i1, :]), _cat(state.buf_v, v[..., i0:i1, :])
+        if skeys is not None:
+            state.buf_s = _cat(state.buf_s, skeys[..., i0:i1, :])
+        state.seen = end
+        outs.append(_attend(q[..., i0:i1, :].to(dt), q_state[..., i0:i1, :].to(dt), state, pos, Hkv, G, dt,
+                            scaling, softcap, log_count_bias))
+        pos = end
+    return torch.cat(outs, dim=-2).to(q.dtype)
+
+
+def _attend(q: Tensor, q_state: Tensor, st: ConvertedKVMState, pos: int, Hkv: int, G: int, dt, scaling: float,
+            softcap: Optional[float], log_count_bias: bool) -> Tensor:
+    """One softmax over ``[state rows ; window]`` for the queries ``[pos, pos + Tq)`` (the window is the
+    buffer from ``covered``; causal inside). ``[B, H, Tq, Dv]``."""
+    B, H, Tq, D = q.shape
+    base = st.seen - st.buf_k.shape[-2]
+    wk, wv = st.buf_k.to(dt), st.buf_v.to(dt)
+    logits = torch.matmul(q.reshape(B, Hkv, G * Tq, D), wk.transpose(-1, -2)) * scaling
+    qpos = torch.arange(pos, pos + Tq, device=q.device)
+    kpos = torch.arange(base, st.seen, device=q.device)
+    masked = (kpos[None, :] > qpos[:, None]).repeat(G, 1)            # [G*Tq, W]
+    parts = [_softcap(logits, softcap).masked_fill(masked, float("-inf"))]
+    if st.count is not None:
+        cnt = st.count.to(dt)
+        mean_k, mean_v = st.key_sum.to(dt) / cnt.unsqueeze(-1), st.value_sum.to(dt) / cnt.unsqueeze(-1)
+        sl = _softcap(torch.matmul(q_state.reshape(B, Hkv, G * Tq, D), mean_k.transpose(-1, -2)) * scaling, softcap)
+        if log_count_bias:
+            sl = sl + cnt.log().unsqueeze(-2)
+        parts.insert(0, sl)
+    p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    if len(parts) == 2:
+        m = parts[0].shape[-1]
+        out = torch.matmul(p[..., :m], mean_v) + torch.matmul(p[..., m:], wv)
+    else:
+        out = torch.matmul(p, wv)
+    return out.reshape(B, H, Tq, -1)
+
+
+def _softcap(x: Tensor, cap: Optional[float]) -> Tensor:
+    return x if not cap else torch.tanh(x / cap) * cap
