@@ -39,3 +39,56 @@ def test_from_pretrained_bf16_gives_a_bf16_model_close_to_fp32(tmp_path):
         ref, out = model(x).logits, half(x).logits
     assert out.dtype == torch.float32                        # logits are returned in fp32 whatever the model
     assert_close("bf16 logits", ref, out, 2 * TOLERANCES[torch.bfloat16])
+
+
+# ---- output_hidden_states / output_attentions ---------------------------------------------------------
+def test_output_hidden_states_follow_llama_convention():
+    model, x = tiny(), ids()
+    blocks = []
+    hooks = [b.register_forward_hook(lambda m, args, out: blocks.append(out[0])) for b in model.transformer.h]
+    with torch.no_grad():
+        out = model(x, output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    hs, tr = out.hidden_states, model.transformer
+    assert isinstance(hs, tuple) and len(hs) == model.config.num_layers + 1
+    assert all(h.shape == (2, 21, 32) for h in hs)
+    torch.testing.assert_close(hs[0], tr.ln_emb(tr.wte(x)), rtol=0, atol=0)       # the embedding output
+    for i in range(len(blocks) - 1):
+        torch.testing.assert_close(hs[i + 1], blocks[i], rtol=0, atol=0)          # each block's output
+    torch.testing.assert_close(hs[-1], tr.ln_head(blocks[-1]), rtol=0, atol=0)    # the last after the final norm
+    torch.testing.assert_close(out.logits, model.lm_head(hs[-1]).float(), rtol=0, atol=0)
+    with torch.no_grad():
+        assert model(x).hidden_states is None
+        model.config.output_hidden_states = True                                  # the config default applies
+        assert len(model(x).hidden_states) == 4
+
+
+def test_hidden_states_of_a_left_padded_batch_equal_per_sequence():
+    model = tiny()
+    a, b = ids(1, 13, seed=2)[0], ids(1, 7, seed=3)[0]
+    x = torch.zeros(2, 13, dtype=torch.long)
+    mask = torch.zeros(2, 13, dtype=torch.long)
+    x[0], mask[0] = a, 1
+    x[1, 6:], mask[1, 6:] = b, 1
+    with torch.no_grad():
+        hs = model(x, attention_mask=mask, output_hidden_states=True).hidden_states
+        alone = model(b[None], output_hidden_states=True).hidden_states
+    for got, ref in zip(hs, alone):
+        torch.testing.assert_close(got[1, 6:], ref[0])
+        assert not got[1, :6].any()                                                # zeros at pads
+
+
+def test_generate_returns_hidden_states_per_step():
+    model = tiny()
+    out = model.generate(ids(2, 9), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_hidden_states=True)
+    assert len(out.hidden_states) == 3                                             # prefill + 2 decode steps
+    assert [h.shape[1] for h in (step[0] for step in out.hidden_states)] == [9, 1, 1]
+    assert all(len(step) == model.config.num_layers + 1 for step in out.hidden_states)
+
+
+def test_output_attentions_is_refused_with_the_reason():
+    model = tiny()
+    with pytest.raises(ValueError, match="output_attentions=True: KVM layers .* no dense attention matrix"):
+        model(ids(), output_attentions=True)

@@ -153,8 +153,10 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
                 cache_position: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
                 logits_to_keep: Union[int, Tensor] = 0, labels: Optional[Tensor] = None,
                 inputs_embeds: Optional[Tensor] = None, return_dict: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
                 **kwargs) -> CausalLMOutputWithPast:
-        """``input_ids [B, T]`` -> ``CausalLMOutputWithPast(loss, logits [B, T', V] fp32, past_key_values)``.
+        """``input_ids [B, T]`` -> ``CausalLMOutputWithPast(loss, logits [B, T', V] fp32, past_key_values,
+        hidden_states)``.
 
         Args:
             attention_mask: ``[B, past + T]`` or ``[B, T]``, 1 = token, 0 = pad (any pattern; pads
@@ -166,19 +168,34 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
                 ignored (``num_items_in_batch`` in kwargs: summed / that count).
             position_ids, cache_position: accepted for API compatibility and ignored.
             return_dict: False returns ``out.to_tuple()``.
+            output_hidden_states: (default ``config.output_hidden_states``) a tuple of ``num_layers + 1``
+                ``[B, T, d]``: the embedding output (after ``ln_emb``) and each block's output, the last
+                one after the final norm ``ln_head`` (LlamaForCausalLM's convention); zeros at pads.
+            output_attentions: not supported (raises): KVM attends to a compressed state, so there is
+                no ``[T, T]`` attention matrix to return.
         """
         if inputs_embeds is not None:
             raise NotImplementedError("KVMForCausalLM takes input_ids, not inputs_embeds")
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("output_attentions=True: KVM layers attend to a compressed state and have no dense "
+                             "attention matrix to return; leave output_attentions unset (False)")
+        if output_hidden_states is None:
+            output_hidden_states = bool(self.config.output_hidden_states)
         if input_ids is None or input_ids.dim() != 2:
             raise ValueError("input_ids [B, T] is required")
         if use_cache is None:
             use_cache = bool(self.config.use_cache) and labels is None
         cache = self._as_kvm_cache(past_key_values)
         mask = self._new_columns_mask(attention_mask, cache, input_ids.shape[1])
-        hidden = cache.advance(self.transformer, input_ids, mask)
+        hidden = cache.advance(self._backbone(output_hidden_states), input_ids, mask)
+        d = self.config.hidden_size
         if hidden is None:             # every new column is a pad (e.g. a chunk of left padding)
-            w = self.lm_head.weight
-            hidden = w.new_zeros(input_ids.shape[0], input_ids.shape[1], w.shape[1])
+            width = d * (self.config.num_layers + 1) if output_hidden_states else d
+            hidden = self.lm_head.weight.new_zeros(input_ids.shape[0], input_ids.shape[1], width)
+        states = None
+        if output_hidden_states:
+            states = hidden.split(d, dim=-1)
+            hidden = states[-1]
         if labels is None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             hidden = hidden[:, keep]
@@ -188,8 +205,20 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             logits = cap * torch.tanh(logits / cap)
         logits = logits.float()
         loss = None if labels is None else self._loss(logits, labels, kwargs.get("num_items_in_batch"))
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None,
+                                     hidden_states=states)
         return out.to_tuple() if return_dict is False else out
+
+    def _backbone(self, output_hidden_states: bool):
+        """What :meth:`KVMCache.advance` runs: the backbone, or one that returns every hidden state
+        concatenated on the last dim (``[G, n, (num_layers + 1) * d]``, so padding scatters them alike)."""
+        if not output_hidden_states:
+            return self.transformer
+
+        def run(ids: Tensor, cache):
+            _, cache, states = self.transformer(ids, cache, output_hidden_states=True)
+            return torch.cat(states, dim=-1), cache
+        return run
 
     def _as_kvm_cache(self, past: Optional[Cache]) -> KVMCache:
         if isinstance(past, KVMCache):

@@ -96,8 +96,12 @@ class KVMModel(nn.Module):
             return dict.fromkeys(self._first)
         return {s: self.h[i].attn.c_v(self.h[i].ln_attn(x0)) for s, i in self._first.items()}
 
-    def forward(self, input_ids: Tensor, cache: Optional[ModelCache] = None) -> Tuple[Tensor, ModelCache]:
-        """``input_ids [B, T]`` -> ``(hidden [B, T, d] after ln_head, cache)``; ``cache`` is advanced in place."""
+    def forward(self, input_ids: Tensor, cache: Optional[ModelCache] = None, output_hidden_states: bool = False):
+        """``input_ids [B, T]`` -> ``(hidden [B, T, d] after ln_head, cache)``; ``cache`` is advanced in place.
+
+        ``output_hidden_states``: also return a tuple of ``num_layers + 1`` ``[B, T, d]``: ``x0`` (after
+        ``ln_emb``) and each block's output, the last one after ``ln_head`` (LlamaModel's convention).
+        """
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [B, T>=1], got shape {list(input_ids.shape)}")
         if cache is None:
@@ -109,12 +113,17 @@ class KVMModel(nn.Module):
                              f"{input_ids.shape[0]}; index_select the cache for beams")
         x0 = self.ln_emb(self.wte(input_ids))
         anchors = self.value_anchors(x0)
-        x = x0
+        x, states = x0, [x0]
         for i, block in enumerate(self.h):
             x, cache.layers[i], cache.mlp_shift[i] = block(x, cache.layers[i], cache.mlp_shift[i],
                                                            v_first=anchors[self._stream[i]])
+            if output_hidden_states:        # else each block's output is freed as the next one runs
+                states.append(x)
         cache.seen_tokens += input_ids.shape[1]
-        return self.ln_head(x), cache
+        hidden = self.ln_head(x)
+        if not output_hidden_states:
+            return hidden, cache
+        return hidden, cache, tuple(states[:-1]) + (hidden,)
 
 
 class KVMLanguageModel(nn.Module):
