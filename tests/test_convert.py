@@ -1,4 +1,4 @@
-"""Authors' checkpoint -> kvmeans: config mapping, refusals, layout checks, file round trip."""
+"""Authors' checkpoint -> kvmeans: config mapping, refusals, layout checks, file round trip, unused fields."""
 import json
 import os
 
@@ -67,7 +67,8 @@ def test_kvm_swa_saturation_hybrid():
     (dict(kvm_use_vlens=0), lambda c: not c.value_radius),
     (dict(kvm_apply_merge_gate_to_appends=1), lambda c: c.gate_appends),
     (dict(sink_len=0), lambda c: c.sink_len == 0),
-    (dict(swa_window_size=-1, chunk_len=128), lambda c: c.swa_window == 128),
+    (dict(swa_window_size=-1, chunk_len=128, alt_layer_every=2, alt_rope_partial_dim=128),
+     lambda c: c.swa_window == 128),
     (dict(logit_softcap=30.0), lambda c: c.logit_softcap == 30.0),
     (dict(residual_scale=None), lambda c: c.residual_scale == 1.0),
     (dict(d_head=64), lambda c: c.qk_head_dim == 64),
@@ -322,3 +323,67 @@ def test_converted_weights_load_into_model(tmp_path, flags):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "resaved.safetensors"))
     _, re_logits = run(load_file(tmp_path / "resaved.safetensors"), config)
     assert torch.equal(re_logits, ref_logits)
+
+
+# ---- authors' checkpoints: fields of layer kinds the model does not build -----------------------------
+# (base flags, unused values): the checkpoint with the unused values loads as the same model as without them
+UNUSED = {
+    "alt rope wider than the head, no alternate layers": ({}, dict(alt_rope_partial_dim=64)),
+    "alt_layer_every 1 is no hybrid": ({}, dict(alt_layer_every=1, alt_rope_partial_dim=64, alt_rope_theta=0.0)),
+    "alt rope theta 0": ({}, dict(alt_rope_theta=0.0)),
+    "alternate mixer settings": ({}, dict(alt_token_mixer="rwkv7", alt_token_mixer_class_path="my.module.Mixer",
+                                          alt_share_v0=1)),
+    "swa keys without SWA layers": ({}, dict(swa_window_size=0, swa_token_shift_mode="weird",
+                                             swa_value_residual_mode="linear")),
+    "ovq keys without OVQ layers": ({}, dict(ovq_chunk_size=0, ovq_max_centroids=-1, ovq_use_delta_rule=1,
+                                             ovq_normalize_centroids=1, ovq_token_shift_mode="weird")),
+    "gptalpha modes without full attention": ({}, dict(gptalpha_token_shift_mode="weird",
+                                                       gptalpha_value_residual_mode="linear")),
+    "budget keys fixed mode does not read": ({}, dict(state_growth_factor=-1.0, state_growth_exponent=-2.0,
+                                                      state_round_down=0, state_saturation_n=0)),
+    "saturation n in power-law mode": (dict(state_budget_mode="power_law", state_growth_factor=4.0,
+                                            n_max_d_chunks=4), dict(state_saturation_n=-3)),
+    "growth keys in saturation mode": (dict(state_budget_mode="kvm_saturation", state_saturation_n=32,
+                                            n_max_d_chunks=4), dict(state_growth_factor=0.0, state_growth_exponent=-1.0)),
+    "gate placement without a merge gate": (dict(kvm_use_merge_gate_keys=0, kvm_use_merge_gate_values=0),
+                                            dict(kvm_apply_merge_gate_to_initial_state=1,
+                                                 kvm_apply_merge_gate_to_appends=1)),
+    "token-shift mode with token shift off": (dict(use_tokenshift_att=0), dict(kvm_token_shift_mode="weird")),
+    "value-residual mode with it off": (dict(use_value_residual=0), dict(kvm_value_residual_mode="linear")),
+    "KVM keys in a full-attention model": (dict(token_mixer="gptalpha"), dict(
+        chunk_len=0, n_bswa_chunks=0, sink_len=-1, n_max_d_chunks=0, state_budget_mode="nonsense",
+        kvm_use_merge_gate_keys=1, kvm_use_merge_gate_values=0, kvm_apply_merge_gate_to_initial_state=1,
+        kvm_value_residual_mode="linear", kvm_token_shift_mode="weird")),
+    "main rope of an OVQ stream": (dict(token_mixer="ovq", alt_layer_every=2), dict(rope_partial_dim=64,
+                                                                                     rope_theta=0.0)),
+    "KVM and OVQ keys in a BSWA model": (dict(token_mixer="gptalpha_bswa"), dict(
+        n_max_d_chunks=0, state_min_len=10 ** 9, kvm_use_head_temps=7, ovq_chunk_size=-1, swa_window_size=-7,
+        alt_rope_partial_dim=1000)),
+    "OVQ keys in a KVM/SWA hybrid": (dict(alt_layer_every=2), dict(ovq_chunk_size=0, ovq_max_centroids=0)),
+}
+
+
+@pytest.mark.parametrize("base, unused", list(UNUSED.values()), ids=list(UNUSED))
+def test_authors_unused_fields_may_hold_anything_their_code_accepts(tmp_path, base, unused):
+    KVMForCausalLM = pytest.importorskip("kvmeans.models.hf").KVMForCausalLM
+    cv.build_tiny_reference_checkpoint(tmp_path / "plain", seed=5, **base)
+    raw = cv.build_tiny_reference_checkpoint(tmp_path / "unused", seed=5, **base, **unused)
+    assert cv.reference_config_to_ours(raw) == cv.reference_config_to_ours(
+        json.loads((tmp_path / "plain" / "config.json").read_text()))
+    plain = KVMForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32)
+    model = KVMForCausalLM.from_pretrained(tmp_path / "unused", dtype=torch.float32)
+    assert model.config.to_model_config() == plain.config.to_model_config()
+    ids = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(logits, plain(ids).logits) and logits.isfinite().all()
+
+
+def test_used_fields_are_still_checked(tmp_path):
+    raw = cv.build_tiny_reference_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"alt_rope_dim: 64 must be even and in \[0, head_dim=32\]"):
+        cv.reference_config_to_ours({**raw, "alt_layer_every": 2, "alt_rope_partial_dim": 64})
+    with pytest.raises(ValueError, match="ovq_chunk_len: must be >= 1"):
+        cv.reference_config_to_ours({**raw, "token_mixer": "ovq", "ovq_chunk_size": 0})
+    with pytest.raises(ValueError, match="kvm_apply_merge_gate_to_initial_state=1 is not supported"):
+        cv.reference_config_to_ours({**raw, "kvm_apply_merge_gate_to_initial_state": 1})

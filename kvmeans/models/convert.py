@@ -53,8 +53,11 @@ def reference_config_to_ours(cfg: Dict[str, Any]) -> KVMModelConfig:
 
     Absent optional keys take the reference defaults (their dataclass at HEAD); keys in ``_REQUIRED``
     must be present. Unknown/dead keys (lact_*, kda_*, gated_deltanet_*, param_dtype, use_l2wrap,
-    mup_base_dim, ovq_window_size, kvm_aotriton_*, use_state_*, ...) are ignored. Every flag we cannot
-    reproduce raises ``ValueError`` naming the key, its value and what is supported.
+    mup_base_dim, ovq_window_size, kvm_aotriton_*, use_state_*, ...) are ignored, and so are the keys of
+    mixers the model does not build (``alt_*`` without alternate layers, ``kvm_*`` / ``state_*`` without
+    KVM layers, ``ovq_*``, ``swa_window_size``, ``rope_*`` of OVQ streams, ...): those fields keep
+    :class:`KVMModelConfig`'s defaults whatever they hold. Every used flag we cannot reproduce raises
+    ``ValueError`` naming the key, its value and what is supported.
 
     Notes: ``kvm_use_vlens=0`` maps to ``value_radius=False``, which in kvmeans is the *intended*
     ablation (each state row reads its running mean ``V_sum / count``); the reference's own ablation
@@ -111,29 +114,35 @@ def reference_config_to_ours(cfg: Dict[str, Any]) -> KVMModelConfig:
         if hybrid and flag("alt_share_v0"):
             _refuse("alt_share_v0", get("alt_share_v0"), "0 only (each layer stream keeps its own v_first)")
 
-    C = int(get("chunk_len"))
-    rope, alt_rope = int(get("rope_partial_dim")), int(get("alt_rope_partial_dim"))
     out: Dict[str, Any] = dict(
         vocab_size=int(get("vocab_size")), hidden_size=d, num_layers=L, num_heads=H,
         num_kv_heads=get("num_key_value_heads"), head_dim=int(d_qk), ffn_mult=float(get("ffn_expansion")),
-        residual_scale=float(get("residual_scale") or 1.0), mixer=main,
-        alt_mixer=alt, alt_every=every if hybrid else 0, rope_dim=rope, rope_theta=float(get("rope_theta")),
-        alt_rope_dim=alt_rope, alt_rope_theta=float(get("alt_rope_theta")), rope_reference_bf16=True,
-        kvm_numerics="reference",
-        chunk_len=C, n_bswa_chunks=int(get("n_bswa_chunks")), sink_len=int(get("sink_len")),
-        swa_window=int(get("swa_window_size")) if int(get("swa_window_size")) > 0 else C,
-        bswa_chunks=int(get("n_bswa_chunks")), bswa_sink_len=int(get("sink_len")),
-        ovq_chunk_len=int(get("ovq_chunk_size")), ovq_max_centroids=int(get("ovq_max_centroids")),
-        token_shift=token_shift, mlp_token_shift=flag("use_tokenshift_ffn"), value_residual=value_residual,
-        qk_norm=True, tie_embeddings=False,
+        residual_scale=float(get("residual_scale") or 1.0), mixer=main, rope_reference_bf16=True,
+        kvm_numerics="reference", token_shift=token_shift, mlp_token_shift=flag("use_tokenshift_ffn"),
+        value_residual=value_residual, qk_norm=True, tie_embeddings=False,
         logit_softcap=abs(float(get("logit_softcap"))) if get("logit_softcap") else None)
-    if "kvm" in used:
-        out.update(_kvm_fields(cfg, get, flag, C, rope, alt_rope, alt == "kvm"))
+    # the fields of mixers the model does not build keep our defaults: their values there may be
+    # anything the reference accepts (e.g. alt_rope_partial_dim > head_dim without alternate layers)
+    if main != "ovq":                    # OVQ has no RoPE
+        out.update(rope_dim=int(get("rope_partial_dim")), rope_theta=float(get("rope_theta")))
+    if hybrid:
+        out.update(alt_mixer=alt, alt_every=every)
+        if alt != "ovq":
+            out.update(alt_rope_dim=int(get("alt_rope_partial_dim")), alt_rope_theta=float(get("alt_rope_theta")))
+    if "swa" in used:                    # swa_window_size <= 0 falls back to chunk_len (reference 4.9)
+        window = int(get("swa_window_size"))
+        out["swa_window"] = window if window > 0 else int(get("chunk_len"))
+    if "bswa" in used:
+        out.update(chunk_len=int(get("chunk_len")), bswa_chunks=int(get("n_bswa_chunks")),
+                   bswa_sink_len=int(get("sink_len")))
     if "ovq" in used:
         for key in ("ovq_normalize_centroids", "ovq_use_min_state_size", "ovq_use_counts_for_lr_only",
                     "ovq_use_delta_rule"):
             if flag(key):
                 _refuse(key, get(key), "0 only (the paper's OVQ baseline)")
+        out.update(ovq_chunk_len=int(get("ovq_chunk_size")), ovq_max_centroids=int(get("ovq_max_centroids")))
+    if "kvm" in used:
+        out.update(_kvm_fields(cfg, get, flag, alt == "kvm"))
     return KVMModelConfig(**out)
 
 
@@ -154,25 +163,30 @@ def _mixer(name: Any, class_path: Any, key: str) -> str:
     return MIXER_NAMES[name]
 
 
-def _kvm_fields(cfg, get, flag, C: int, rope: int, alt_rope: int, alt_is_kvm: bool) -> Dict[str, Any]:
+def _kvm_fields(cfg, get, flag, alt_is_kvm: bool) -> Dict[str, Any]:
+    """The KVM fields of :class:`KVMModelConfig` (geometry, budget, gates); the budget keys a mode does not
+    read, and the gate-placement flags without a merge gate (the gate is then 1), may hold anything."""
     missing = [k for k in _REQUIRED_KVM if k not in cfg]
     if missing:
         raise ValueError(f"reference config.json lacks required KVM key(s) {missing} (their defaults changed "
                          "between versions of the reference code)")
+    rope = int(get("rope_partial_dim"))     # the state's zeroed width in main and alternate KVM layers alike
     if rope <= 0:
         _refuse("rope_partial_dim", rope, "> 0 for KVM layers (the reference zeroes all D channels of state "
                                           "keys when it is 0, a known bug we do not reproduce)")
-    if alt_is_kvm and alt_rope != rope:
-        _refuse("alt_rope_partial_dim", alt_rope, f"equal to rope_partial_dim={rope} when KVM is the alternate "
-                                                  "mixer (the reference zeroes the main width there)")
+    if alt_is_kvm and int(get("alt_rope_partial_dim")) != rope:
+        _refuse("alt_rope_partial_dim", get("alt_rope_partial_dim"),
+                f"equal to rope_partial_dim={rope} when KVM is the alternate mixer (the reference zeroes the main "
+                "width there)")
     gk, gv = flag("kvm_use_merge_gate_keys"), flag("kvm_use_merge_gate_values")
     if gk != gv:
         _refuse("kvm_use_merge_gate_keys/kvm_use_merge_gate_values", (int(gk), int(gv)),
                 "both 1 (merge gate) or both 0 (no merge gate); gating only keys or only values is not "
                 "representable in KVMModelConfig")
-    if flag("kvm_apply_merge_gate_to_initial_state"):
+    if gk and flag("kvm_apply_merge_gate_to_initial_state"):
         _refuse("kvm_apply_merge_gate_to_initial_state", get("kvm_apply_merge_gate_to_initial_state"),
-                "0 only (the reference applies it inconsistently between prefill and decode)")
+                "0 only with a merge gate (the reference applies it inconsistently between prefill and decode)")
+    C = int(get("chunk_len"))
     n_max = int(get("n_max_d_chunks"))
     if n_max < 1:
         _refuse("n_max_d_chunks", n_max, ">= 1 (the state cap is chunk_len * n_max_d_chunks rows)")
@@ -180,9 +194,10 @@ def _kvm_fields(cfg, get, flag, C: int, rope: int, alt_rope: int, alt_is_kvm: bo
     if mode == "fixed":     # the initial state is one chunk and never shrinks: targets below C never bite
         budget = {"kind": "fixed", "n": min(max(min_len, C), cap)}
     elif mode in ("power_law", "kvm_saturation"):
-        budget = {"kind": "power_law", "factor": float(get("state_growth_factor")),
-                  "exponent": float(get("state_growth_exponent"))}
-        if mode == "kvm_saturation":
+        if mode == "power_law":
+            budget = {"kind": "power_law", "factor": float(get("state_growth_factor")),
+                      "exponent": float(get("state_growth_exponent"))}
+        else:
             n_sat = get("state_saturation_n")
             if n_sat is None or int(n_sat) < 1:
                 _refuse("state_saturation_n", n_sat, "an integer >= 1 with state_budget_mode='kvm_saturation'")
@@ -191,7 +206,8 @@ def _kvm_fields(cfg, get, flag, C: int, rope: int, alt_rope: int, alt_is_kvm: bo
                       max_len=cap)
     else:
         _refuse("state_budget_mode", mode, "'fixed', 'power_law' or 'kvm_saturation'")
-    return dict(budget=budget, merge_gate=gk, gate_appends=flag("kvm_apply_merge_gate_to_appends"),
+    return dict(chunk_len=C, n_bswa_chunks=int(get("n_bswa_chunks")), sink_len=int(get("sink_len")),
+                budget=budget, merge_gate=gk, gate_appends=gk and flag("kvm_apply_merge_gate_to_appends"),
                 head_temps=flag("kvm_use_head_temps"), value_radius=flag("kvm_use_vlens"))
 
 
