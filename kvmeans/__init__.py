@@ -3,10 +3,12 @@ from .ops import KVMState, StateBudget, kvm_attention
 
 __version__ = "0.1.0"
 __all__ = ["kvm_attention", "StateBudget", "KVMState", "KVMAttention", "KVMAttentionConfig", "KVMForCausalLM",
-           "KVMConfig", "__version__"]
+           "KVMConfig", "convert_hf", "load_converted", "parse_kvm_spec", "__version__"]
 
 _LAZY = {"KVMAttention": "kvmeans.layers", "KVMAttentionConfig": "kvmeans.layers",
-         "KVMForCausalLM": "kvmeans.models.hf", "KVMConfig": "kvmeans.models.hf"}
+         "KVMForCausalLM": "kvmeans.models.hf", "KVMConfig": "kvmeans.models.hf",
+         "convert_hf": "kvmeans.models.convert_hf", "load_converted": "kvmeans.models.convert_hf",
+         "parse_kvm_spec": "kvmeans.models.convert_hf"}
 
 
 def __getattr__(name):

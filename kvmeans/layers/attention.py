@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.budget import BudgetLike, StateBudget, as_budget
-from ..ops.kvm import NUMERICS, kvm_attention
+from ..ops.kvm import BACKENDS, NUMERICS, kvm_attention
+from ..utils.fields import check_field_types
 from .rope import RotaryEmbedding
 from .token_shift import attention_shift_alphas, token_shift
 
@@ -51,6 +52,7 @@ class AttentionConfig:
     init_output_zero: bool = True           # reference inits c_proj to zeros; tests need False
 
     def __post_init__(self):
+        check_field_types(self)
         for name in ("hidden_size", "num_heads", "num_layers"):
             if getattr(self, name) < 1:
                 _bad(self, name, f"must be >= 1, got {getattr(self, name)}", f"pass a positive {name}")
@@ -119,10 +121,13 @@ class KVMAttentionConfig(AttentionConfig):
                  "lower sink_len so the first chunk leaves mergeable rows")
         if not self.state_norm_eps > 0:
             _bad(self, "state_norm_eps", f"must be > 0, got {self.state_norm_eps}", "use e.g. 1e-5")
+        if self.backend not in BACKENDS:
+            _bad(self, "backend", f"must be one of {BACKENDS}, got {self.backend!r}",
+                 "use 'auto' (Triton on CUDA when installed, torch otherwise)")
         try:
             self.budget = as_budget(self.budget)
-        except TypeError as err:
-            raise TypeError(f"KVMAttentionConfig.budget: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"KVMAttentionConfig.budget: {err}") from None
 
     @property
     def effective_sink_len(self) -> int:

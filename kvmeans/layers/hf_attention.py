@@ -34,7 +34,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
             raise ValueError(f"layer {module.layer_idx} got no position_embeddings; rope_mode={spec.rope_mode!r} "
                              "needs the model's RoPE (use rope_mode='none' for models without RoPE)")
         cos, sin = position_embeddings
-        if spec.rope_mode == "pre_rope_fixed":
+        if spec.rope_mode in ("pre_rope_fixed", "split"):
             cos_d, sin_d = module.kvm_rope_at(spec.distance, query)
     out = converted_kvm_attention(
         query, key, value, state, scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,

@@ -63,6 +63,8 @@ class KVMConfig(PreTrainedConfig):
 
     ``num_hidden_layers`` / ``num_attention_heads`` / ``num_key_value_heads`` are aliases of
     ``num_layers`` / ``num_heads`` / ``num_kv_heads``; ``tie_word_embeddings`` follows ``tie_embeddings``.
+    The fields are checked (and ``budget`` normalised to its dict) by :class:`KVMModelConfig` at construction;
+    ``layer_types`` (transformers' name, in our older ``config.json`` files) is read as ``mixer_types``.
     """
 
     model_type = "kvmeans"
@@ -71,9 +73,12 @@ class KVMConfig(PreTrainedConfig):
                      "num_key_value_heads": "num_kv_heads"}
 
     def __init__(self, **kwargs):
-        defaults = KVMModelConfig().to_dict()
-        for name in _FIELDS:
-            setattr(self, name, kwargs.pop(name, defaults[name]))
+        for alias, name in self.attribute_map.items():
+            if alias in kwargs:
+                kwargs.setdefault(name, kwargs.pop(alias))
+        fields = {name: kwargs.pop(name) for name in (*_FIELDS, "layer_types") if name in kwargs}
+        for name, value in KVMModelConfig(**fields).to_dict().items():
+            setattr(self, name, value)
         kwargs["tie_word_embeddings"] = bool(self.tie_embeddings)
         self.use_cache = bool(kwargs.pop("use_cache", True))
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):   # read by GenerationConfig
@@ -82,7 +87,6 @@ class KVMConfig(PreTrainedConfig):
         # no positional limit (RoPE only on the window; the state is position-free); lm-eval reads this
         self.max_position_embeddings = int(kwargs.pop("max_position_embeddings", 2 ** 30))
         super().__init__(**kwargs)
-        self.to_model_config()                     # validates
 
     def to_model_config(self) -> KVMModelConfig:
         return KVMModelConfig(**{name: getattr(self, name) for name in _FIELDS})

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .budget import BudgetLike, as_budget
 from .routing import route_overflow
 from .schedule import bswa_begin, plan_updates
 
@@ -98,14 +99,15 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         return
     skeys = st.buf_k if st.buf_s is None else st.buf_s
     base = st.seen - st.buf_v.shape[-2]                 # token index of the buffer's first token
+    acc = torch.promote_types(st.buf_v.dtype, torch.float32)   # state sums: fp32 for half inputs
     if st.count is None:                                 # the first chunk becomes the initial rows
-        st.key_sum = skeys[..., :chunk_len, :].float()
-        st.value_sum = st.buf_v[..., :chunk_len, :].float()
+        st.key_sum = skeys[..., :chunk_len, :].to(acc)
+        st.value_sum = st.buf_v[..., :chunk_len, :].to(acc)
         st.count = st.key_sum.new_ones(st.key_sum.shape[:-1])
         st.covered = chunk_len
     for step in plan_updates(budget, st.covered, st.num_rows, total, chunk_len, n_bswa_chunks):
         blk = slice(step.start - base, step.start - base + chunk_len)
-        bk, bv = skeys[..., blk, :].float(), st.buf_v[..., blk, :].float()
+        bk, bv = skeys[..., blk, :].to(acc), st.buf_v[..., blk, :].to(acc)
         sel = F.normalize(bk, dim=-1)
         dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, step.n_append, sink_len)
         pad = (0, 0, 0, max(step.n_append, 0))
@@ -119,7 +121,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
 
 
 def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVMState, *, scaling: float,
-                            budget: Callable[[int], int], chunk_len: int, n_bswa_chunks: int, sink_len: int,
+                            budget: BudgetLike, chunk_len: int, n_bswa_chunks: int, sink_len: int,
                             rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
                             sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
@@ -128,11 +130,12 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
 
     ``q [B, H, T, D]`` and ``k [B, Hkv, T, D]`` as the model rotated them (post-RoPE), ``v [B, Hkv, T, Dv]``;
     ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
-    ``[R]`` the RoPE of the read distance (``pre_rope_fixed``). Tokens are processed chunk-aligned by
+    ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
     absolute position, so any split of a sequence (prefill + decode) gives the same result.
     """
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
+    budget = as_budget(budget)
     B, H, T, D = q.shape
     Hkv, G = k.shape[1], H // k.shape[1]
     dt = torch.promote_types(q.dtype, torch.float32)
@@ -140,10 +143,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     if pre_rope:
         c, s = cos.unsqueeze(1).to(dt), sin.unsqueeze(1).to(dt)
         skeys = unrotate(k.to(dt), c, s)
-        q_state = unrotate(q.to(dt), c, s)
-        if rope_mode == "pre_rope_fixed":             # (R(d) q).k: a^2 R(d) on the rotary channels
-            a = (cos_d * cos_d + sin_d * sin_d).sqrt()
-            q_state = rotate(q_state, (cos_d * a).to(dt), (sin_d * a).to(dt))
+        a = (cos_d * cos_d + sin_d * sin_d).sqrt()    # (R(d) q).k: a^2 R(d) on the rotary channels
+        q_state = rotate(unrotate(q.to(dt), c, s), (cos_d * a).to(dt), (sin_d * a).to(dt))
     else:
         skeys, q_state = None, q
     outs, start = [], state.seen

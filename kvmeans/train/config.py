@@ -86,6 +86,7 @@ _SECTIONS = {"model": ModelSection, "data": DataSection, "optim": OptimSection, 
 _CHOICES = {("optim", "decay"): ("linear", "cosine", "constant"), ("train", "device"): ("auto", "cpu", "cuda"),
             ("train", "dtype"): ("auto", "fp32", "bf16"), ("train", "strategy"): ("ddp", "fsdp")}
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(KVMModelConfig)}
+_MODEL_ALIASES = {"layer_types": "mixer_types"}      # old names of KVMModelConfig fields, still accepted
 
 
 @dataclass
@@ -159,10 +160,10 @@ def _build_section(sec: str, values: Dict[str, Any]):
         values = dict(values)
         name = _check(sec, "preset", values.pop("preset", ModelSection.preset))
         overrides = {**(values.pop("overrides", None) or {}), **values}   # flat model keys are overrides too
-        section = ModelSection(name, {k: _check(sec, k, v) for k, v in overrides.items()})
+        section = ModelSection(name, {_MODEL_ALIASES.get(k, k): _check(sec, k, v) for k, v in overrides.items()})
         try:
             section.build()
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"model: {e}") from None
         return section
     return _SECTIONS[sec](**{k: _check(sec, k, v) for k, v in values.items()})
@@ -173,8 +174,8 @@ def field_type(sec: str, key: str):
     if sec not in _SECTIONS:
         raise ConfigError(f"unknown config section {sec!r} (in {sec}.{key}); valid sections: {', '.join(_SECTIONS)}")
     hints = typing.get_type_hints(_SECTIONS[sec])
-    if sec == "model" and key in _MODEL_FIELDS:
-        hints = typing.get_type_hints(KVMModelConfig)
+    if sec == "model" and _MODEL_ALIASES.get(key, key) in _MODEL_FIELDS:
+        hints, key = typing.get_type_hints(KVMModelConfig), _MODEL_ALIASES.get(key, key)
     if key not in hints:
         valid = sorted(set(hints) | (_MODEL_FIELDS if sec == "model" else set()))
         raise ConfigError(f"unknown config key {sec}.{key}; valid keys in {sec!r}: {', '.join(valid)}")
