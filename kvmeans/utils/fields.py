@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import typing
 from typing import Any
 
@@ -44,9 +45,14 @@ def _describe(tp) -> str:
     return getattr(origin or tp, "__name__", str(tp))
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)       # slow (evaluates the string annotations): once per class
+
+
 def check_field_types(cfg) -> None:
     """Raise ``TypeError`` naming the first field of dataclass ``cfg`` whose value does not fit its annotation."""
-    hints = typing.get_type_hints(type(cfg))
+    hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if not _matches(value, hints[f.name]):
