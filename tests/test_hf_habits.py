@@ -92,3 +92,40 @@ def test_output_attentions_is_refused_with_the_reason():
     model = tiny()
     with pytest.raises(ValueError, match="output_attentions=True: KVM layers .* no dense attention matrix"):
         model(ids(), output_attentions=True)
+
+
+# ---- gradient checkpointing -----------------------------------------------------------------------------
+def _grads(model, x, split=None):
+    """Parameter gradients of the LM loss over ``x``, in one call or two (the second continuing the cache)."""
+    model.zero_grad(set_to_none=True)
+    if split is None:
+        loss = model(x, labels=x).loss
+    else:
+        first = model(x[:, :split], use_cache=True)
+        second = model(x[:, split:], past_key_values=first.past_key_values)
+        loss = first.logits.logsumexp(-1).mean() + second.logits.logsumexp(-1).mean()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_(en|dis)able` is deprecated:FutureWarning")
+@pytest.mark.parametrize("split", [None, 13], ids=["one-call", "continued-cache"])
+def test_gradient_checkpointing_gives_the_same_gradients(split):
+    model, x = tiny().train(), ids(2, 29)
+    ref = _grads(model, x, split)
+    runs = []
+    for block in model.transformer.h:
+        block.attn.register_forward_hook(lambda *a: runs.append(1))
+    model.gradient_checkpointing_enable()
+    assert all(b.gradient_checkpointing for b in model.transformer.h)
+    runs.clear()
+    got = _grads(model, x, split)
+    calls = 1 if split is None else 2
+    assert len(runs) == 2 * calls * model.config.num_layers        # each block re-ran in backward
+    assert got.keys() == ref.keys() and len(got) > 20
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0, msg=name)
+    model.gradient_checkpointing_disable()
+    runs.clear()
+    _grads(model, x, split)
+    assert len(runs) == calls * model.config.num_layers

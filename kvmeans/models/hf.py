@@ -107,6 +107,7 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
     _is_stateful = True                # no assisted decoding: a KVM state cannot be rolled back
     _supports_cache_class = True
+    supports_gradient_checkpointing = True     # per Block (see transformer.Block), as the training CLI does
 
     def __init__(self, config: KVMConfig):
         super().__init__(config)

@@ -6,11 +6,13 @@ Module names match the authors' checkpoints (``transformer.h.{i}.attn.c_q.weight
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers.attention import AttentionConfig, KVMAttention, KVMAttentionConfig
 from ..layers.baselines import (BlockSlidingWindowAttention, BSWAConfig, FullAttention, SlidingWindowAttention,
@@ -52,10 +54,19 @@ def build_mixer(config: KVMModelConfig, i: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``ln_attn``, ``attn`` (the layer's mixer), ``ln_mlp``, ``mlp``."""
+    """Pre-norm block: ``ln_attn``, ``attn`` (the layer's mixer), ``ln_mlp``, ``mlp``.
+
+    ``gradient_checkpointing = True`` (transformers' flag, set by ``gradient_checkpointing_enable`` and by
+    the training CLI's ``grad_checkpointing``): in training mode with grad enabled the block keeps only
+    its inputs and recomputes itself in backward (``_gradient_checkpointing_func``, a non-reentrant
+    ``torch.utils.checkpoint`` unless transformers sets another).
+    """
+
+    gradient_checkpointing = False
 
     def __init__(self, config: KVMModelConfig, i: int):
         super().__init__()
+        self._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
         d = config.hidden_size
         self.mixer = config.mixer_per_layer()[i]
         self.residual_scale = config.residual_scale
@@ -66,6 +77,16 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, state=None, mlp_prev: Optional[Tensor] = None, v_first: Optional[Tensor] = None):
         """``x [B, T, d]`` -> ``(x [B, T, d], mixer state, MLP shift row [B, d] or None)``."""
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(self._recomputable, x, state, mlp_prev, v_first)
+        return self._forward(x, state, mlp_prev, v_first)
+
+    def _recomputable(self, x: Tensor, state, mlp_prev: Optional[Tensor], v_first: Optional[Tensor]):
+        # the mixer advances its state in place: advance a copy, so the backward's re-run starts
+        # from the same state as the forward did
+        return self._forward(x, None if state is None else state.clone(), mlp_prev, v_first)
+
+    def _forward(self, x: Tensor, state, mlp_prev: Optional[Tensor], v_first: Optional[Tensor]):
         a, state = self.attn(self.ln_attn(x), state, v_first=v_first)
         x = x + a * self.residual_scale
         m, mlp_last = self.mlp(self.ln_mlp(x), mlp_prev)

@@ -79,11 +79,10 @@ def setup_runtime(cfg: RunConfig) -> Runtime:
 
 
 def _checkpoint_blocks(model: KVMLanguageModel) -> None:
-    """Recompute every block in backward (non-reentrant checkpoint); parameter names stay unchanged."""
-    from torch.utils.checkpoint import checkpoint
+    """Recompute every block in backward (``Block.gradient_checkpointing``, as the HF class's
+    ``gradient_checkpointing_enable``); parameter names stay unchanged."""
     for block in model.transformer.h:
-        forward = block.forward
-        block.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        block.gradient_checkpointing = True
 
 
 def _shard(model: KVMLanguageModel) -> None:
