@@ -129,3 +129,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(split):
     runs.clear()
     _grads(model, x, split)
     assert len(runs) == calls * model.config.num_layers
+
+
+# ---- foreign configs -----------------------------------------------------------------------------------
+def test_from_pretrained_refuses_another_architecture_up_front(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    monkeypatch.setattr(KVMForCausalLM, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ValueError, match=r"config.json has model_type 'gpt2'; KVMForCausalLM loads model_type "
+                                         r"'kvmeans' .* AutoModelForCausalLM"):
+        KVMForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)

@@ -56,6 +56,7 @@ from .transformer import KVMLanguageModel
 __all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
 
 _FIELDS = [f.name for f in dataclasses.fields(KVMModelConfig)]
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 class KVMConfig(PreTrainedConfig):
@@ -260,13 +261,17 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         whose ``config.json`` has ``model_type "rwkv7backbone"``, the authors' layout (config mapped
         by :func:`reference_config_to_ours`, tensors checked by :func:`map_reference_state_dict`).
 
-        Missing or mis-shaped tensors raise ``ValueError``. Authors' layout: ``dtype``/``torch_dtype``
-        (default ``"auto"`` = as stored, bf16 for the released models, like transformers 5 does for
-        ours; pass ``dtype=torch.float32`` on CPU) and ``device_map`` (one device) apply.
+        A ``config.json`` of another ``model_type`` (``gpt2``, ...) raises ``ValueError`` before a model is
+        built. ``dtype=torch.bfloat16`` gives every parameter in bf16 (none is kept in fp32: the authors
+        train all in bf16). Missing or mis-shaped tensors raise ``ValueError``. Authors' layout:
+        ``dtype``/``torch_dtype`` (default ``"auto"`` = as stored, bf16 for the released models, like
+        transformers 5 does for ours; pass ``dtype=torch.float32`` on CPU) and ``device_map`` (one device) apply.
         ``kvm_numerics``: ``"reference"`` (default for the authors' layout: their eager rounding points)
         or ``"exact"`` (kvmeans' numerics); for our layout it overrides what ``config.json`` records.
         """
         path = pretrained_model_name_or_path
+        if not isinstance(kwargs.get("config"), PreTrainedConfig):
+            cls._check_model_type(path, kwargs)
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
             return cls._from_reference(Path(path), **kwargs)
         want_info = kwargs.pop("output_loading_info", False)
@@ -276,6 +281,16 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"{path}: checkpoint does not match the config: " +
                              "; ".join(f"{k}: {v[:5]}" for k, v in bad.items() if v))
         return (model, info) if want_info else model
+
+    @staticmethod
+    def _check_model_type(path, kwargs: dict) -> None:
+        """Refuse a ``config.json`` of another architecture before a model is built from it."""
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        found = PreTrainedConfig.get_config_dict(path, **hub)[0].get("model_type")
+        if found not in (None, KVMConfig.model_type, REFERENCE_MODEL_TYPE):
+            raise ValueError(f"{path}: config.json has model_type {found!r}; KVMForCausalLM loads model_type "
+                             f"{KVMConfig.model_type!r} (or the authors' {REFERENCE_MODEL_TYPE!r}): load this "
+                             "one with AutoModelForCausalLM")
 
     @classmethod
     def _from_reference(cls, path: Path, dtype=None, torch_dtype=None, device_map=None, config=None,
