@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chunk_reconstruct import GroupPlan, reconstruct_attention
+from .masking import finite_tokens, poison, window_poison
 from .routing import memory_keys, readout, token_streams
 from .schedule import bswa_begin, coverage_after, plan_updates
 from .recurrent import _readout_cached, absorb, own_buffers
@@ -93,12 +94,13 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
     if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
         per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, routes.rows_at, per_row, group_bytes)
+    groups = _groups(c_first, c_last, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn)
     backward = BACKWARD if backward is None else backward
     if backward == "auto":
         # the graph keeps per chunk SDPA's keys/values over [state ; window] plus the snapshot sums (~2x);
         # the Triton kernels' backward needs no forward re-run, so reconstruction costs little there
-        saved = sum((cb - ca) * (routes.rows_at[cb - 1] + n * C) for ca, cb in groups) * \
+        saved = sum((cb - ca) * (routes.rows_at[cb - 1] + _window_geometry(ca, cb, C, n, t0, t1, w0)[3])
+                    for ca, cb in groups) * \
             q.shape[0] * q.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size() * 2
         backward = "reconstruct" if attn == "triton" or saved > RECONSTRUCT_BYTES else "graph"
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
@@ -107,9 +109,10 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
     cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
     params = (state_temp, bswa_temp, state_norm_weight, state_norm_bias)
-    qa, ka, va = (x.to(mma_dtype) for x in (q, kk, vv)) if mma_dtype else (q, kk, vv)     # attention operands
+    ka, va, bad = finite_tokens(kk, vv)         # attention operands: masked tokens must contribute exactly zero
+    qa, ka, va = (x.to(mma_dtype) for x in (q, ka, va)) if mma_dtype else (q, ka, va)
     if backward == "reconstruct":
-        plan = GroupPlan(groups=groups, cuts=cuts, dest=routes.dest, arrival=arrival, crop=(t0, t1), chunk_len=C,
+        plan = GroupPlan(groups=groups, cuts=cuts, dest=routes.dest, arrival=arrival,
                          q_spans=[(max(ca * C, t0) - t0, min(cb * C, t1) - t0) for ca, cb in groups],
                          w_spans=[(max(w0, (ca + 1 - n) * C) - w0, min(cb * C, t1) - w0) for ca, cb in groups],
                          attend=_span_attend(groups, geo), kernel_saves=attn == "triton")
@@ -120,6 +123,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
                                for b, s in zip(state.rows(), streams))
     else:
         raise ValueError(f"backward must be 'auto', 'graph' or 'reconstruct', got {backward!r}")
+    y = poison(y, window_poison(bad, w0, t0, t1, C, n))
 
     ws = bswa_begin(t1, C, n) - w0
     out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=m_final,
@@ -141,17 +145,15 @@ def default_group_bytes(device: torch.device) -> int:
 def _graph_groups(groups, cuts, routes, arrival, q, kk, vv, streams, base, params, geo):
     """All groups with one autograd graph (activations kept per chunk: for small calls). ``[B, H, T, Dv]``."""
     C, n, t0, t1, w0 = geo["C"], geo["n"], geo["t0"], geo["t1"], geo["w0"]
-    c_first, c_last = groups[0][0], groups[-1][1] - 1
-    # Split every operand once into per-group pieces (split's backward is a cat; slicing the full
-    # tensors per group would allocate a zero gradient of full size per group)
-    sizes = [cb - ca for ca, cb in groups]
-    q_parts = _time_slice(q, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
+    # Split q once into per-group pieces (split's backward is a cat; a slice per group would allocate a zero
+    # gradient of full size per group, as the window slices do: they overlap, and this path is for small calls)
+    q_parts = q.split([min(cb * C, t1) - max(ca * C, t0) for ca, cb in groups], 2)
     if geo["attn"] == "triton":    # the kernel indexes window keys by position: one slice per group, no unfold copy
         span = [slice(max(0, (ca + 1 - n) * C - w0), min(cb * C, t1) - w0) for ca, cb in groups]
         kw_parts, vw_parts = [kk[:, :, s] for s in span], [vv[:, :, s] for s in span]
     else:
-        win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
-        kw_parts, vw_parts = win(kk), win(vv)
+        kw_parts, vw_parts = ([_windows(x, w0, *_window_geometry(ca, cb, C, n, t0, t1, w0)[1:], C) for ca, cb in groups]
+                              for x in (kk, vv))
     pieces = [x.split(cuts, 2) for x in (*streams, routes.dest, arrival.expand(1, 1, -1))]
     base = [_scatter_tokens(b, pieces[3][0], s[0]) if cuts[0] else b for b, s in zip(base, pieces[:3])]
     outs = []
@@ -161,21 +163,19 @@ def _graph_groups(groups, cuts, routes, arrival, q, kk, vv, streams, base, param
                                   part[4][0, 0], *params, **geo))
         if i + 1 < len(groups) and cuts[i + 1]:
             base = [_scatter_tokens(b, part[3], s) for b, s in zip(base, part[:3])]
-    return torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
+    return torch.cat(outs, 2)
 
 
 def _span_attend(groups, geo):
     """Group ``i``'s attention from the spans of q / window tokens it reads (see :class:`GroupPlan`)."""
-    C, n, t0, w0 = geo["C"], geo["n"], geo["t0"], geo["w0"]
+    C, n, t0, t1, w0 = geo["C"], geo["n"], geo["t0"], geo["t1"], geo["w0"]
 
     def attend(i, q_span, kw_span, vw_span, base, streams, dest, arrival, params, saved=None, with_lse=False):
-        (ca, cb), qa = groups[i], max(groups[i][0] * C, t0) - t0
-        qg = _time_slice(q_span, ca * C - t0 - qa, cb * C - t0 - qa)
-        if geo["attn"] != "triton":
-            wa = max(w0, (ca + 1 - n) * C) - w0
-            kw_span, vw_span = (_time_slice(x, (ca + 1 - n) * C - w0 - wa, cb * C - w0 - wa).unfold(2, n * C, C)
-                                for x in (kw_span, vw_span))
-        return _attend_group(ca, cb, qg, kw_span, vw_span, *base, *streams, dest, arrival, *params, **geo,
+        ca, cb = groups[i]
+        if geo["attn"] != "triton":     # the span holds tokens from max(w0, (ca+1-n)*C) on
+            geometry = _window_geometry(ca, cb, C, n, t0, t1, w0)[1:]
+            kw_span, vw_span = (_windows(x, max(w0, (ca + 1 - n) * C), *geometry, C) for x in (kw_span, vw_span))
+        return _attend_group(ca, cb, q_span, kw_span, vw_span, *base, *streams, dest, arrival, *params, **geo,
                              saved=saved, with_lse=with_lse)
     return attend
 
@@ -191,16 +191,16 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
     Hkv, t0, w0 = kk.shape[1], state.seen_tokens, state.window_start
     t1 = t0 + T
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
-    own_buffers(state, rows=max(rows_at + [state.num_rows]))
+    own_buffers(state, rows=max(rows_at + [state.num_rows]), window=t1 - bswa_begin(t1, C, n))
     c_first, c_last = t0 // C, (t1 - 1) // C
     per_row = B * H * (C + q.shape[3] + vv.shape[3]) * q.element_size()
     if attn == "triton":    # snapshot rows per chunk only (read-out keys and values per kv head)
         per_row = B * Hkv * (q.shape[3] + vv.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, 0 if attn == "triton" else n * C, rows_at, per_row, group_bytes)
-    sizes = [cb - ca for ca, cb in groups]
-    qa, ka, va = (x.to(mma_dtype) for x in (q, kk, vv)) if mma_dtype else (q, kk, vv)     # attention operands
-    q_parts = _time_slice(qa, c_first * C - t0, (c_last + 1) * C - t0).split([g * C for g in sizes], 2)
-    win = lambda x: _time_slice(x, (c_first + 1 - n) * C - w0, (c_last + 1) * C - w0).unfold(2, n * C, C).split(sizes, 2)
+    groups = _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn)
+    ka, va, bad = finite_tokens(kk, vv)         # attention operands: masked tokens must contribute exactly zero
+    qa, ka, va = (x.to(mma_dtype) for x in (q, ka, va)) if mma_dtype else (q, ka, va)
+    q_parts = qa.split([min(cb * C, t1) - max(ca * C, t0) for ca, cb in groups], 2)
+    win = lambda x: [_windows(x, w0, *_window_geometry(ca, cb, C, n, t0, t1, w0)[1:], C) for ca, cb in groups]
     temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
     tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
     outs = []
@@ -211,11 +211,13 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
             keys, values = (qa.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
         else:
             keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
+        stale = torch.zeros(B, cb - ca, Hkv, dtype=torch.bool, device=q.device)   # snapshot with a non-finite row
         for g, c in enumerate(range(ca, cb) if M else ()):
             m = 0
             if c >= n:      # bring the state to what chunk c sees, then read it out once
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates, attn=attn)
-                k_hat, v_hat = _readout_cached(state, ln)
+                k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
+                stale[:, g] = bad_rows.any(-1)
                 m = state.num_rows
                 if tri:
                     keys[:, g, :, 0, :m] = k_hat
@@ -225,12 +227,12 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
             keys[:, g, :, :, m:M] = 0                   # hidden by the mask, but must be finite
             values[:, g, :, :, m:M] = 0
         if tri:
-            outs.append(_triton_group(ca, cb, qg, keys.squeeze(3) if M else None, values.squeeze(3) if M else None,
-                                      kw, vw, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at,
-                                      scale=scale))
+            out = _triton_group(ca, cb, qg, keys.squeeze(3) if M else None, values.squeeze(3) if M else None,
+                                kw, vw, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale)
         else:
-            outs.append(_group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale))
-    y = torch.cat(outs, 2)[:, :, t0 - c_first * C: t1 - c_first * C]
+            out = _group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale)
+        outs.append(_poison_chunks(out, stale))
+    y = poison(torch.cat(outs, 2), window_poison(bad, w0, t0, t1, C, n))
     absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates, attn=attn)          # the lazy final coverage
     ws, wl = bswa_begin(t1, C, n) - w0, t1 - bswa_begin(t1, C, n)
     state.window_keys[:, :, :wl] = kk[:, :, ws:]
@@ -243,9 +245,10 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
 def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
                   ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps, attn="torch", saved=None,
                   with_lse=False):
-    """Outputs ``[B, H, G*C, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
+    """Outputs ``[B, H, qb - qa, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
 
-    ``q [B, H, G*C, D]`` their queries; ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (W = n*C);
+    ``q [B, H, qb - qa, D]`` their queries and ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (positions
+    ``qa, qb, W``: :func:`_window_geometry`);
     ``base_*`` the state sums before the group; ``dk, dv, dr`` the tokens arriving inside it.
     With ``attn="triton"``, ``kw, vw [B, Hkv, N, D|Dv]`` hold the tokens from ``max(w0, (ca+1-n)*C)`` on;
     ``with_lse`` returns ``(o, lse2)`` from the forward kernel only (no graph) and ``saved=(o, lse2)``
@@ -268,23 +271,32 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             inc = b.new_zeros(B, 1, G * Hkv * M, *b.shape[3:])                          # [B, 1, G*Hkv*M, ...]
             inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
             snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
-        k_hat, v_hat = readout(*snap, value_radius, ln_w, ln_b, ln_eps)                # [B,G,Hkv,M,D]
+        k_hat, v_hat, bad_rows = finite_tokens(*readout(*snap, value_radius, ln_w, ln_b, ln_eps))  # [B,G,Hkv,M,D]
+        stale = bad_rows.any(-1)
         if tri:
-            return _triton_group(ca, cb, q, k_hat.to(q.dtype), v_hat.to(q.dtype), *tri_args, **tri_geo)
+            out = _triton_group(ca, cb, q, k_hat.to(q.dtype), v_hat.to(q.dtype), *tri_args, **tri_geo)
+            return (_poison_chunks(out[0], stale), out[1]) if with_lse else _poison_chunks(out, stale)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
-    y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, w0, rows_at, M, q.device), scale)
+    y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale)
+    y = _poison_chunks(y, stale) if M else y
     return (y, None) if with_lse else y
+
+
+def _poison_chunks(y: Tensor, stale: Tensor) -> Tensor:
+    """NaN in the outputs ``y [B, H, G*Cq, Dv]`` of the chunks whose state snapshot holds a non-finite row
+    (``stale [B, G, Hkv]``)."""
+    return poison(y, stale.transpose(1, 2).repeat_interleave(y.shape[2] // stale.shape[1], -1))
 
 
 def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_temp, *, C, n, t0, t1, rows_at, scale,
                   saved=None, with_lse=False):
-    """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, G*C, D]`` from position ``ca*C``,
+    """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, qb - qa, D]`` from position ``qa``,
     snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``."""
     from .triton.attention import chunk_attention, chunk_attention_fwd
     rows = None if k_hat is None else torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device)
     fn = chunk_attention_fwd if with_lse else partial(chunk_attention, saved=saved)
-    return fn(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=ca * C, q_lo=max(ca * C, t0),
+    return fn(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=max(ca * C, t0), q_lo=max(ca * C, t0),
               q_hi=min(cb * C, t1), k_start=k_start, chunk_len=C, n_bswa_chunks=n, scale=scale)
 
 
@@ -304,20 +316,35 @@ def _by_head(t: Tensor, Hkv: int) -> Tensor:
     return t.view(1, 1, Hkv, -1, 1, 1)            # per query head, grouped under its kv head
 
 
-def _group_mask(ca, cb, C, n, w0, rows_at, M, device) -> Tensor:
-    """``[G, C, M + W]`` bool: state rows that exist for each chunk, then the causal window."""
-    G, W = cb - ca, n * C
-    q_pos = torch.arange(ca * C, cb * C, device=device).view(G, C, 1)
-    k_pos = ((torch.arange(ca, cb, device=device) + 1 - n) * C).view(G, 1, 1) + torch.arange(W, device=device)
-    mask = (k_pos <= q_pos) & (k_pos >= max(w0, 0))
+def _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, device) -> Tensor:
+    """``[G, Cq, M + W]`` bool (see :func:`_window_geometry`): state rows that exist for each chunk, then the
+    causal window."""
+    qa, qb, e0, W = _window_geometry(ca, cb, C, n, t0, t1, w0)
+    G = cb - ca
+    q_pos = (qa + C * torch.arange(G, device=device)).view(G, 1, 1) + torch.arange((qb - qa) // G, device=device).view(1, -1, 1)
+    k_pos = (e0 - W + C * torch.arange(G, device=device)).view(G, 1, 1) + torch.arange(W, device=device)
+    mask = (k_pos <= q_pos) & (k_pos >= w0)
     if not M:
         return mask
     visible = torch.arange(M, device=device) < torch.tensor(rows_at[ca:cb], device=device).view(G, 1, 1)
-    return torch.cat([visible.expand(G, C, M), mask], 2)
+    return torch.cat([visible.expand(G, mask.shape[1], M), mask], 2)
+
+
+def _window_geometry(ca, cb, C, n, t0, t1, w0):
+    """``(qa, qb, e0, W)`` of query chunks ``[ca, cb)``, sized by the tokens present (never by C or n*C alone):
+    the group's queries are the positions ``[qa, qb)`` (``Cq = (qb - qa) / G`` per chunk: only a group of one
+    chunk may be partial), chunk ``ca + g`` sees the ``W`` window positions ending at ``e0 + g*C``."""
+    qa, qb = max(ca * C, t0), min(cb * C, t1)
+    return qa, qb, qb - (cb - 1 - ca) * C, qb - max(w0, (cb - n) * C)
+
+
+def _windows(x: Tensor, origin: int, qb: int, e0: int, W: int, C: int) -> Tensor:
+    """``[B, Hkv, G, D, W]`` windows (see :func:`_window_geometry`) of ``x``, whose token 0 is at ``origin``."""
+    return _time_slice(x, e0 - W - origin, qb - origin).unfold(2, W, C)
 
 
 def _group_sdpa(q, keys, values, mask, scale) -> Tensor:
-    """One SDPA call for all chunks of a group; ``q [B, H, G*C, D]`` -> ``[B, H, G*C, Dv]``."""
+    """One SDPA call for all chunks of a group; ``q [B, H, G*Cq, D]`` -> ``[B, H, G*Cq, Dv]``."""
     B, G, C = q.shape[0], keys.shape[1], mask.shape[1]
     qs = q.unflatten(2, (G, C)).transpose(1, 2)                                        # [B,G,H,C,D]
     y = F.scaled_dot_product_attention(qs.flatten(0, 1), keys.flatten(2, 3).flatten(0, 1),
@@ -346,12 +373,17 @@ def _planned_rows(state: KVMState, budget, t1: int) -> dict:
     return rows
 
 
-def _groups(c_first, c_last, window, rows_at, per_row, group_bytes):
-    """Split query chunks ``[c_first, c_last]`` into runs whose attention working set fits ``group_bytes``."""
+def _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn):
+    """Split query chunks ``[c_first, c_last]`` into runs whose attention working set fits ``group_bytes``.
+    Only whole chunks share a run: a partial first or last chunk attends alone, with just its queries."""
+    def fits(ca, cb):
+        window = 0 if attn == "triton" else _window_geometry(ca, cb, C, n, t0, t1, w0)[3]
+        return (cb - ca) * (rows_at[cb - 1] + window) * per_row <= group_bytes
+    whole = lambda c: t0 <= c * C and (c + 1) * C <= t1
     groups, ca = [], c_first
     while ca <= c_last:
         cb = ca + 1
-        while cb <= c_last and (cb + 1 - ca) * (rows_at[cb] + window) * per_row <= group_bytes:
+        while cb <= c_last and whole(ca) and whole(cb) and fits(ca, cb + 1):
             cb += 1
         groups.append((ca, cb))
         ca = cb

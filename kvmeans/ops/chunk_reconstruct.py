@@ -34,19 +34,16 @@ class GroupPlan:
 
     ``groups`` query-chunk ranges ``(ca, cb)``; ``cuts`` tokens entering the state before the first group,
     in each group, after the last (they sum to N); ``dest [B, Hkv, N]`` each token's row; ``arrival [N]``
-    the first query chunk that sees it; ``crop = (t0, t1)`` the positions of the call's queries, chunks of
-    ``chunk_len``;
-    ``q_spans`` / ``w_spans`` the ranges of q rows / window tokens each group reads;
+    the first query chunk that sees it;
+    ``q_spans`` / ``w_spans`` the ranges of q rows / window tokens each group reads (its output rows are its q rows);
     ``attend(i, q_span, kw_span, vw_span, base, streams, dest, arrival, params, saved=None, with_lse=False)``
-    group i's output ``[B, H, G*C, Dv]`` (``with_lse``: ``(o, lse or None)``); ``kernel_saves``: ``attend``
+    group i's output ``[B, H, qb - qa, Dv]`` (``with_lse``: ``(o, lse or None)``); ``kernel_saves``: ``attend``
     accepts ``saved=(o, lse)`` from its own forward (the Triton kernels) instead of re-running it.
     """
     groups: List[Tuple[int, int]]
     cuts: List[int]
     dest: Tensor
     arrival: Tensor
-    crop: Tuple[int, int]
-    chunk_len: int
     q_spans: List[Tuple[int, int]]
     w_spans: List[Tuple[int, int]]
     attend: Callable
@@ -76,11 +73,6 @@ def _piece_bounds(cuts: List[int]) -> List[Tuple[int, int]]:
     return bounds
 
 
-def _time_slice(x: Tensor, start: int, end: int) -> Tensor:
-    from .chunk import _time_slice as ts
-    return ts(x, start, end)
-
-
 class _Reconstruct(torch.autograd.Function):
 
     @staticmethod
@@ -103,9 +95,7 @@ class _Reconstruct(torch.autograd.Function):
                 lses.append(lse)
             for row, s in zip(live, streams):
                 row.scatter_add_(2, _rows_index(dest, row), s[:, :, lo:hi])
-        t0, t1 = plan.crop
-        first = plan.groups[0][0] * plan.chunk_len
-        y = torch.cat(outs, 2)[:, :, t0 - first:t1 - first]
+        y = torch.cat(outs, 2)
         ctx.plan = plan
         ctx.has_lse = lses[0] is not None
         ctx.save_for_backward(q, kk, vv, *streams, *stash, *live, *params, y, *(lses if ctx.has_lse else ()))
@@ -119,7 +109,6 @@ class _Reconstruct(torch.autograd.Function):
         q, kk, vv = saved[:3]
         streams, stash, final, params = saved[3:6], saved[6:9], saved[9:12], list(saved[12:16])
         y, lses = saved[16], saved[17:]
-        t0 = plan.crop[0]
         g = [torch.zeros_like(f) if d is None else d.clone() for d, f in zip(d_final, final)]
         live = [f.clone() for f in final]
         dq, dkk, dvv = torch.zeros_like(q), torch.zeros_like(kk), torch.zeros_like(vv)
@@ -135,9 +124,8 @@ class _Reconstruct(torch.autograd.Function):
             local = [None] * 3
             if 0 < p <= len(plan.groups):
                 i = p - 1
-                (ca, cb), (qa, qb), (wa, wb) = plan.groups[i], plan.q_spans[i], plan.w_spans[i]
-                rows = (ca * plan.chunk_len - t0, cb * plan.chunk_len - t0)     # the group's output rows in y
-                kept = (_time_slice(y, *rows), lses[i]) if plan.kernel_saves else None
+                (qa, qb), (wa, wb) = plan.q_spans[i], plan.w_spans[i]
+                kept = (y[:, :, qa:qb], lses[i]) if plan.kernel_saves else None
                 with torch.enable_grad():
                     leaves = [t.detach().requires_grad_() for t in
                               (q[:, :, qa:qb], kk[:, :, wa:wb], vv[:, :, wa:wb], *live, *(s[:, :, lo:hi] for s in streams))]
@@ -145,7 +133,7 @@ class _Reconstruct(torch.autograd.Function):
                     o = plan.attend(i, *leaves[:3], leaves[3:6], leaves[6:9], dest, plan.arrival[lo:hi], par,
                                     saved=kept)
                     inputs = leaves + [t for t in par if t is not None]
-                    grads = torch.autograd.grad(o, inputs, _time_slice(dy, *rows), allow_unused=True)
+                    grads = torch.autograd.grad(o, inputs, dy[:, :, qa:qb], allow_unused=True)
                 for acc, grad, span in ((dq, grads[0], (qa, qb)), (dkk, grads[1], (wa, wb)), (dvv, grads[2], (wa, wb))):
                     if grad is not None:
                         acc[:, :, span[0]:span[1]] += grad

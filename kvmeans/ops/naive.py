@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from .masking import finite_tokens, poison, window_poison
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
@@ -77,7 +78,7 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
 
         # 4. One softmax over [tau_state * LN_s(s^K) ; tau_bswa * k_window] (state only once active).
         outs.append(_attend(q[:, :, new], K, V, R, wk, wv, pos, w_start, state.value_radius, ln, state_temp,
-                            bswa_temp, scale, use_state=w_start > 0))
+                            bswa_temp, scale, use_state=w_start > 0, geometry=(C, n)))
         pos = e
 
     out_state = KVMState(K, V, R, wk, wv, wg, num_rows=K.shape[2], seen_tokens=t0 + T, coverage=cov,
@@ -86,19 +87,24 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
     return torch.cat(outs, 2), out_state
 
 
-def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, bswa_temp, scale, use_state):
-    """Queries ``[B,H,t,D]`` at positions ``q_start...`` over ``[state ; window]``, causal in the window."""
+def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, bswa_temp, scale, use_state, geometry):
+    """Queries ``[B,H,t,D]`` at positions ``q_start...`` over ``[state ; window]``, causal in the window.
+    Masked tokens contribute exactly zero; an output that sees a non-finite key or value is NaN
+    (:mod:`kvmeans.ops.masking`). ``geometry = (C, n)``."""
     H, Hkv = q.shape[1], wk.shape[1]
     rep = lambda x: x.repeat_interleave(H // Hkv, dim=1)       # query head h reads kv head h // (H/Hkv)
     tq, tw = q.shape[2], wk.shape[2]
+    wk, wv, bad = finite_tokens(wk, wv)
+    seen_bad = window_poison(bad, w_start, q_start, q_start + tq, *geometry)
     q_pos = torch.arange(q_start, q_start + tq, device=q.device)
     k_pos = torch.arange(w_start, w_start + tw, device=q.device)
     scores = (q @ (rep(wk) * bswa_temp.view(1, H, 1, 1)).transpose(-1, -2)) * scale
     scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf)
     values = rep(wv)
     if use_state:
-        k_hat, v_hat = readout(K, V, R, value_radius, *ln)
+        k_hat, v_hat, bad_rows = finite_tokens(*readout(K, V, R, value_radius, *ln))
+        seen_bad = seen_bad | bad_rows.any(-1, keepdim=True)
         s_scores = (q @ (rep(k_hat) * state_temp.view(1, H, 1, 1)).transpose(-1, -2)) * scale
         scores = torch.cat([s_scores, scores], -1)
         values = torch.cat([rep(v_hat), values], 2)
-    return torch.softmax(scores, -1) @ values
+    return poison(torch.softmax(scores, -1) @ values, seen_bad)

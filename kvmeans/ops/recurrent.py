@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from .masking import finite_tokens, poison, window_poison
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
@@ -41,6 +42,7 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
         w_start = state.window_start
         new = slice(pos - t0, e - t0)
         at = slice(pos - w_start, e - w_start)
+        _reserve_window(state, e - w_start)
         state.window_keys[:, :, at] = k[:, :, new]
         state.window_values[:, :, at] = v[:, :, new]
         state.window_gates[:, :, at] = gate[:, :, new]
@@ -53,22 +55,22 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
                 buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
         state.seen_tokens = e
         if attn == "triton":
-            outs.append(_attend_triton(state, q[:, :, new], ln, state_temp, bswa_temp, scale))
+            outs.append(_attend_triton(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
         else:
             outs.append(_attend(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
         pos = e
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
 
 
-def own_buffers(state: KVMState, rows: int = 0) -> None:
+def own_buffers(state: KVMState, rows: int = 0, window: int = 0) -> None:
     """Make the state's buffers its own (detached, preallocated) so they can be written in place,
-    with room for at least ``rows`` rows."""
-    L, C = state.n_bswa_chunks * state.chunk_len, state.chunk_len
-    if state._owned and state.window_capacity >= L + C:
+    with room for at least ``rows`` rows and ``window`` window tokens (both grow geometrically on demand:
+    sized by the tokens present, never by the configured maximum)."""
+    if state._owned:
         _reserve_rows(state, rows)
+        _reserve_window(state, window)
         return
-    cap = max(state.num_rows, rows, 1)           # rows grow geometrically on demand (_reserve_rows)
-    _alloc(state, cap, L + C, *state.rows(), *state.window())
+    _alloc(state, max(state.num_rows, rows, 1), max(state.window_len, window, 1), *state.rows(), *state.window())
 
 
 def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
@@ -92,6 +94,14 @@ def _reserve_rows(state: KVMState, rows: int) -> None:
     if rows > state.row_capacity:                    # geometric growth: amortised O(1) copies per row
         _alloc(state, max(rows, 2 * state.row_capacity), state.window_capacity, *state.rows(),
                state.window_keys, state.window_values, state.window_gates)
+
+
+def _reserve_window(state: KVMState, tokens: int) -> None:
+    """Room for ``tokens`` window tokens (at most ``L + C``: the window and the chunk being filled)."""
+    if tokens > state.window_capacity:
+        most = (state.n_bswa_chunks + 1) * state.chunk_len
+        _alloc(state, state.row_capacity, min(max(tokens, 2 * state.window_capacity), most), *state.rows(),
+               *state.window())
 
 
 def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin: int, total: int, budget, ln,
@@ -167,38 +177,50 @@ def _readout_cached(state: KVMState, ln):
 
 
 def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
-    """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``."""
+    """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``.
+    Masked tokens contribute exactly zero; an output that sees a non-finite key or value is NaN."""
     B, H, t, D = q.shape
     Hkv = state.keys.shape[1]
     rep = H // Hkv
     group = lambda x: x.reshape(B, Hkv, rep * t, x.shape[-1])          # query heads of one kv head together
-    wk, wv, _ = state.window()
+    wk, wv, bad = finite_tokens(*state.window()[:2])
+    seen_bad = window_poison(bad, state.window_start, q_start, q_start + t, state.chunk_len, state.n_bswa_chunks)
     scores = group(q * (bswa_temp * scale).view(1, H, 1, 1)) @ wk.transpose(-1, -2)   # [B, Hkv, rep*t, w]
     if t > 1:   # causal inside the window: window token j sits at position window_start + j
         q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(rep).view(rep * t, 1)
         k_pos = torch.arange(state.window_start, state.seen_tokens, device=q.device)
         scores = scores.masked_fill(k_pos > q_pos, -math.inf)
     if state.window_start == 0:                                         # the state is not active yet
-        return (torch.softmax(scores, -1) @ wv).view(B, H, t, -1)
-    k_hat, v_hat = _readout_cached(state, ln)
+        return poison((torch.softmax(scores, -1) @ wv).view(B, H, t, -1), seen_bad)
+    k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
     s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
     p = torch.softmax(torch.cat([s_scores, scores], -1), -1)        # one softmax over [state ; window]
     m = k_hat.shape[2]
     y = p[..., :m] @ v_hat + p[..., m:] @ wv                           # [B, Hkv, rep*t, Dv]; no copy of the state
-    return y.view(B, H, t, -1)
+    return poison(y.view(B, H, t, -1), seen_bad | bad_rows.any(-1, keepdim=True))
 
 
-def _attend_triton(state: KVMState, q: Tensor, ln, state_temp, bswa_temp, scale) -> Tensor:
-    """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens)."""
+def _attend_triton(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
+    """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens).
+    A single query masks nothing: its operands go to the kernel as they are (no extra pass per decode step)."""
     from .triton.decode import decode_attention
+    t = q.shape[2]
     k_hat = v_hat = None
     rows = 0
+    wk, wv = state.window_keys, state.window_values
+    if t > 1:
+        wk, wv, bad = finite_tokens(wk, wv)
+        seen_bad = window_poison(bad[:, :, :state.window_len], state.window_start, q_start, q_start + t,
+                                 state.chunk_len, state.n_bswa_chunks)
     if state.window_start > 0:
         k_hat, v_hat = _readout_cached(state, ln)
         rows = state.num_rows
-    lengths = _decode_lengths(state, rows, state.window_len, q.shape[2])
-    return decode_attention(q, k_hat, v_hat, state.window_keys, state.window_values, lengths, state_temp, bswa_temp,
-                            scale)
+        if t > 1:
+            k_hat, v_hat, bad_rows = finite_tokens(k_hat, v_hat)
+            seen_bad = seen_bad | bad_rows.any(-1, keepdim=True)
+    lengths = _decode_lengths(state, rows, state.window_len, t)
+    y = decode_attention(q, k_hat, v_hat, wk, wv, lengths, state_temp, bswa_temp, scale)
+    return poison(y, seen_bad) if t > 1 else y
 
 
 def _decode_lengths(state: KVMState, rows: int, window_len: int, t: int) -> Tensor:
