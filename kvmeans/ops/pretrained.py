@@ -147,48 +147,58 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         q_state = rotate(unrotate(q.to(dt), c, s), (cos_d * a).to(dt), (sin_d * a).to(dt))
     else:
         skeys, q_state = None, q
-    outs, start = [], state.seen
-    pos = start
-    while pos < start + T:
-        end = min((pos // chunk_len + 1) * chunk_len, start + T)
-        i0, i1 = pos - start, end - start
-        _advance(state, end, budget, chunk_len, n_bswa_chunks, sink_len)
-        state.buf_k, state.buf_v = _cat(state.buf_k, k[..., i0:i1, :]), _cat(state.buf_v, v[..., i0:i1, :])
-        if skeys is not None:
-            state.buf_s = _cat(state.buf_s, skeys[..., i0:i1, :])
-        state.seen = end
-        outs.append(_attend(q[..., i0:i1, :].to(dt), q_state[..., i0:i1, :].to(dt), state, pos, Hkv, G, dt,
-                            scaling, softcap, log_count_bias))
-        pos = end
-    return torch.cat(outs, dim=-2).to(q.dtype)
+    C, L = chunk_len, n_bswa_chunks * chunk_len
+    start = state.seen
+    base0 = start - (0 if state.buf_v is None else state.buf_v.shape[-2])
+    all_k, all_v = _cat(state.buf_k, k), _cat(state.buf_v, v)            # positions [base0, start + T)
+    state.buf_k, state.buf_v, state.seen = all_k, all_v, start + T
+    if skeys is not None:
+        state.buf_s = _cat(state.buf_s, skeys.to(k.dtype))
+    c0, c1 = start // C, -(-(start + T) // C)
+    rows = []                                      # the state each chunk of queries reads (tensors are not
+    for c in range(c0, c1):                        # updated in place, so these are snapshots)
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len)
+        rows.append(None if state.count is None else (state.key_sum, state.value_sum, state.count))
+    # every chunk at once: queries padded to whole chunks, window = the L positions ending at the chunk's end
+    nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)
+    def grid(x, first, width):                     # positions [first, first + width) of x (x starts at base0)
+        out = x.new_zeros(*x.shape[:-2], width, x.shape[-1]).to(dt)
+        lo, hi = max(first, base0), min(first + width, start + T)
+        out[..., lo - first:hi - first, :] = x[..., lo - base0:hi - base0, :]
+        return out
+    span = (nc - 1) * C + L
+    kw = grid(all_k, p0, span).unfold(-2, L, C).transpose(-1, -2)           # [B, Hkv, nc, L, D]
+    vw = grid(all_v, p0, span).unfold(-2, L, C).transpose(-1, -2)
+    def chunks(x):                                 # [B, H, T, D] -> [B, Hkv, nc, G*C, D] on the chunk grid
+        x = F.pad(x.to(dt), (0, 0, off, nc * C - off - T))
+        return x.reshape(B, Hkv, G, nc, C, D).transpose(2, 3).reshape(B, Hkv, nc, G * C, D)
+    qg = chunks(q)
+    i, l_ = torch.arange(C, device=q.device), torch.arange(L, device=q.device)
+    kpos = p0 + C * torch.arange(nc, device=q.device)[:, None, None] + l_          # [nc, 1, L]
+    masked = ((l_[None, :] - i[:, None] > L - C) | (kpos < 0)).repeat(1, G, 1)    # [nc, G*C, L]
+    logits = _softcap(torch.matmul(qg, kw.transpose(-1, -2)) * scaling, softcap).masked_fill(masked, float("-inf"))
+    if all(r is None for r in rows):
+        return _from_grid(torch.matmul(torch.softmax(logits, -1), vw), G, off, T, q.dtype)
+    M = max(r[2].shape[-1] for r in rows if r is not None)
+    def stacked(j, like):                          # [B, Hkv, nc, M(, D)], zero rows where a chunk has fewer
+        ts = [like if r is None else r[j].to(dt) for r in rows]
+        return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
+    cnt = stacked(2, torch.zeros(B, Hkv, 0, device=q.device, dtype=dt))
+    mean_k = stacked(0, torch.zeros(B, Hkv, 0, D, device=q.device, dtype=dt)) / cnt.clamp_min(1).unsqueeze(-1)
+    mean_v = stacked(1, torch.zeros(B, Hkv, 0, v.shape[-1], device=q.device, dtype=dt)) / \
+        cnt.clamp_min(1).unsqueeze(-1)
+    bias = cnt.log() if log_count_bias else torch.zeros_like(cnt).masked_fill(cnt == 0, float("-inf"))
+    sl = _softcap(torch.matmul(chunks(q_state), mean_k.transpose(-1, -2)) * scaling, softcap)
+    p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
+    out = torch.matmul(p[..., :M], mean_v) + torch.matmul(p[..., M:], vw)
+    return _from_grid(out, G, off, T, q.dtype)
 
 
-def _attend(q: Tensor, q_state: Tensor, st: ConvertedKVMState, pos: int, Hkv: int, G: int, dt, scaling: float,
-            softcap: Optional[float], log_count_bias: bool) -> Tensor:
-    """One softmax over ``[state rows ; window]`` for the queries ``[pos, pos + Tq)`` (the window is the
-    buffer from ``covered``; causal inside). ``[B, H, Tq, Dv]``."""
-    B, H, Tq, D = q.shape
-    base = st.seen - st.buf_k.shape[-2]
-    wk, wv = st.buf_k.to(dt), st.buf_v.to(dt)
-    logits = torch.matmul(q.reshape(B, Hkv, G * Tq, D), wk.transpose(-1, -2)) * scaling
-    qpos = torch.arange(pos, pos + Tq, device=q.device)
-    kpos = torch.arange(base, st.seen, device=q.device)
-    masked = (kpos[None, :] > qpos[:, None]).repeat(G, 1)            # [G*Tq, W]
-    parts = [_softcap(logits, softcap).masked_fill(masked, float("-inf"))]
-    if st.count is not None:
-        cnt = st.count.to(dt)
-        mean_k, mean_v = st.key_sum.to(dt) / cnt.unsqueeze(-1), st.value_sum.to(dt) / cnt.unsqueeze(-1)
-        sl = _softcap(torch.matmul(q_state.reshape(B, Hkv, G * Tq, D), mean_k.transpose(-1, -2)) * scaling, softcap)
-        if log_count_bias:
-            sl = sl + cnt.log().unsqueeze(-2)
-        parts.insert(0, sl)
-    p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-    if len(parts) == 2:
-        m = parts[0].shape[-1]
-        out = torch.matmul(p[..., :m], mean_v) + torch.matmul(p[..., m:], wv)
-    else:
-        out = torch.matmul(p, wv)
-    return out.reshape(B, H, Tq, -1)
+def _from_grid(out: Tensor, G: int, off: int, T: int, dtype) -> Tensor:
+    """``[B, Hkv, nc, G*C, Dv]`` -> ``[B, H, T, Dv]``: drop the padding queries of the chunk grid."""
+    B, Hkv, nc, GC, Dv = out.shape
+    out = out.reshape(B, Hkv, nc, G, GC // G, Dv).transpose(2, 3)
+    return out.reshape(B, Hkv * G, nc * (GC // G), Dv)[:, :, off:off + T].to(dtype)
 
 
 def _softcap(x: Tensor, cap: Optional[float]) -> Tensor:
