@@ -1,6 +1,6 @@
 """transformers habits of KVMForCausalLM: from_pretrained(dtype=...), output_hidden_states /
 output_attentions, gradient checkpointing, foreign configs, beam-search caches."""
-import json
+import copy
 
 import pytest
 import torch
@@ -139,3 +139,33 @@ def test_from_pretrained_refuses_another_architecture_up_front(tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"config.json has model_type 'gpt2'; KVMForCausalLM loads model_type "
                                          r"'kvmeans' .* AutoModelForCausalLM"):
         KVMForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
+
+
+# ---- caches returned by beam search --------------------------------------------------------------------
+def _step(model, cache, tokens):
+    with torch.no_grad():
+        return model(tokens, past_key_values=cache).logits[:, -1]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["one-group", "padded-groups"])
+def test_a_beam_search_cache_continues_through_select(padded):
+    model = tiny()
+    x, mask = ids(2, 9), torch.ones(2, 9, dtype=torch.long)
+    if padded:
+        x[1, :3], mask[1, :3] = 0, 0
+    out = model.generate(x, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False,
+                         pad_token_id=0, return_dict_in_generate=True)
+    cache, nxt = out.past_key_values, out.sequences[:1, -1:]
+    assert cache.batch_size == 6 and cache.columns == out.sequences.shape[1] - 1
+    with pytest.raises(ValueError, match=r"holds 6 sequences but input_ids has batch 1; .*beam search holds "
+                                         r"every beam: continue some of them with cache.select\(rows\)"):
+        _step(model, cache, nxt)
+    before = cache.nbytes, cache.lengths.clone(), repr(cache)
+    assert len(cache.groups) == (2 if padded else 1)
+    every = _step(model, copy.deepcopy(cache), nxt.expand(6, 1))    # all beams, the same next token
+    for rows in ([4], [5, 0]):
+        torch.testing.assert_close(_step(model, cache.select(rows), nxt.expand(len(rows), 1)), every[rows],
+                                   rtol=0, atol=1e-5)
+    assert (cache.nbytes, repr(cache)) == (before[0], before[2]) and torch.equal(cache.lengths, before[1])
+    with pytest.raises(ValueError, match=r"select: rows must be .* batch rows in \[0, 6\), got \[6\]"):
+        cache.select([6])

@@ -17,6 +17,12 @@ length stay batched). Groups are never merged back.
 Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` gather rows
 (and so every layer's state) across groups. ``crop`` cannot roll a compressed state back and raises
 ``NotImplementedError`` (assisted / speculative decoding are unsupported; the model is ``_is_stateful``).
+
+The cache that ``generate(num_beams=k, return_dict_in_generate=True)`` returns holds ``batch * k`` rows:
+the beams beam search was running (in its order), each without its last token. They need not include
+the state of ``out.sequences`` (the best finished hypotheses; seen on transformers 5.23). Continue some
+of them with ``cache.select(rows)``, a copy holding those rows; a call whose batch does not match the
+cache raises, naming it.
 """
 from __future__ import annotations
 
@@ -139,7 +145,9 @@ class KVMCache(Cache):
             self.groups = [_Group(torch.arange(B), None)]
             self.lengths = torch.zeros(B, dtype=torch.long)
         elif B != self.batch_size:
-            raise ValueError(f"KVMCache holds {self.batch_size} sequences but input_ids has batch {B}")
+            raise ValueError(f"KVMCache holds {self.batch_size} sequences but input_ids has batch {B}; a cache "
+                             "returned by beam search holds every beam: continue some of them with "
+                             "cache.select(rows) (a copy holding those rows, in that order)")
         counts = torch.full((B,), T, dtype=torch.long) if mask is None else mask.long().sum(1).cpu()
         if mask is None and len(self.groups) == 1:      # common case: one batched call, no copies
             g = self.groups[0]                          # (a single group holds rows 0..B-1 in order)
@@ -228,14 +236,28 @@ class KVMCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._gather(torch.arange(self.batch_size).repeat_interleave(repeats))
 
-    def _gather(self, src: Tensor) -> None:
+    def select(self, rows) -> "KVMCache":
+        """A new cache holding batch rows ``rows`` (``[B']`` ints, in that order; e.g. some beams of a
+        cache returned by beam search); this cache is left unchanged."""
+        src = torch.as_tensor(rows, dtype=torch.long).cpu().flatten()
+        if self.lengths is None or len(src) == 0 or not bool(((src >= 0) & (src < self.batch_size)).all()):
+            raise ValueError(f"select: rows must be a non-empty list of batch rows in [0, {self.batch_size}), "
+                             f"got {src.tolist()}" + ("; this cache is empty" if self.lengths is None else ""))
+        out = KVMCache(self.mixers)
+        out.groups = [_Group(g.rows, g.cache) for g in self.groups]
+        out.columns, out.lengths = self.columns, self.lengths
+        out._gather(src, copy=True)
+        return out
+
+    def _gather(self, src: Tensor, copy: bool = False) -> None:
+        """Row ``j`` becomes old row ``src[j]``; ``copy``: never reorder a group's states in place."""
         if self.lengths is None:
             return
         src = torch.as_tensor(src, dtype=torch.long).cpu()
         if len(self.groups) == 1 and self._in_order(self.groups[0]):     # common case: one batched state
             g = self.groups[0]
             if g.cache is not None:
-                if len(src) == len(g.rows):
+                if len(src) == len(g.rows) and not copy:
                     g.cache.reorder_(src)
                 else:
                     g.cache = g.cache.index_select(src)
