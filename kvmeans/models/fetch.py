@@ -135,9 +135,7 @@ def gguf_to_pretrained(gguf: Path, out: Path) -> None:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     del config.quantization_config
@@ -166,6 +164,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"kvmeans models fetch: needs gguf, accelerate and transformers ({err.name} missing): "
               "pip install 'kvmeans[pretrained]'", file=sys.stderr)
         return 2
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     try:
         path = fetch_model(a.name, a.cache_dir, force=a.force)
     except (RuntimeError, ValueError) as err:
