@@ -75,11 +75,19 @@ def test_prefill_then_token_by_token_decode_equals_one_forward(family):
 def test_generate_greedy_equals_argmax_of_full_forwards():
     model = convert_hf(tiny("llama"), **SMALL)
     x = ids(30, B=1)
-    out = model.generate(x, max_new_tokens=25, do_sample=False, pad_token_id=0)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=25, do_sample=False, pad_token_id=0)
     seq = x
     for _ in range(25):
         seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, seq)
+
+
+@torch.no_grad()
+def test_beam_search_with_the_kvm_cache_equals_beam_search_without_cache():
+    model = convert_hf(tiny("llama"), **SMALL)
+    x = ids(30)
+    run = dict(max_new_tokens=20, num_beams=3, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(x))
+    assert torch.equal(model.generate(x, **run), model.generate(x, use_cache=False, **run))
 
 
 @torch.no_grad()
@@ -137,6 +145,11 @@ def test_convert_errors_name_the_argument():
         convert_hf(tiny("llama"), chunk_len=4, sink_len=4)
     with pytest.raises(ValueError, match="layers: 5"):
         convert_hf(tiny("llama"), layers=[5])
+    dynamic = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(
+        num_key_value_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, **COMMON))
+    with pytest.raises(ValueError, match="dynamic"):
+        convert_hf(dynamic)
+    convert_hf(dynamic, rope_mode="post_rope")
     model = convert_hf(tiny("llama"), **SMALL)
     with pytest.raises(ValueError, match="already converted"):
         convert_hf(model, **SMALL)

@@ -182,6 +182,9 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
         raise ValueError(f"{family} rotates q/k: rope_mode='none' would mix rotated keys unknowingly; "
                          "use pre_rope_fixed, post_rope or split")
     spec = KVMSpec(**settings)
+    if spec.rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
+        raise ValueError(f"rope_mode={spec.rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
+                         "by the sequence length) does not have; use rope_mode='post_rope'")
     attn = _attention_layers(model)
     kinds = getattr(cfg, "layer_types", None)
     is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}
