@@ -211,13 +211,15 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
             keys, values = (qa.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
         else:
             keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
-        stale = torch.zeros(B, cb - ca, Hkv, dtype=torch.bool, device=q.device)   # snapshot with a non-finite row
+        stale = None        # [B, G, Hkv]: the chunk's snapshot holds a non-finite row (None: none does)
         for g, c in enumerate(range(ca, cb) if M else ()):
             m = 0
             if c >= n:      # bring the state to what chunk c sees, then read it out once
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates, attn=attn)
                 k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
-                stale[:, g] = bad_rows.any(-1)
+                if bad_rows is not None:
+                    stale = q.new_zeros(B, cb - ca, Hkv, dtype=torch.bool) if stale is None else stale
+                    stale[:, g] = bad_rows.any(-1)
                 m = state.num_rows
                 if tri:
                     keys[:, g, :, 0, :m] = k_hat
@@ -272,20 +274,22 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
             snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
         k_hat, v_hat, bad_rows = finite_tokens(*readout(*snap, value_radius, ln_w, ln_b, ln_eps))  # [B,G,Hkv,M,D]
-        stale = bad_rows.any(-1)
+        stale = None if bad_rows is None else bad_rows.any(-1)
         if tri:
             out = _triton_group(ca, cb, q, k_hat.to(q.dtype), v_hat.to(q.dtype), *tri_args, **tri_geo)
             return (_poison_chunks(out[0], stale), out[1]) if with_lse else _poison_chunks(out, stale)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
     y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale)
-    y = _poison_chunks(y, stale) if M else y
+    y = _poison_chunks(y, stale if M else None)
     return (y, None) if with_lse else y
 
 
-def _poison_chunks(y: Tensor, stale: Tensor) -> Tensor:
+def _poison_chunks(y: Tensor, stale) -> Tensor:
     """NaN in the outputs ``y [B, H, G*Cq, Dv]`` of the chunks whose state snapshot holds a non-finite row
-    (``stale [B, G, Hkv]``)."""
+    (``stale [B, G, Hkv]``, None: none)."""
+    if stale is None:
+        return y
     return poison(y, stale.transpose(1, 2).repeat_interleave(y.shape[2] // stale.shape[1], -1))
 
 

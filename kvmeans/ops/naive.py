@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from .masking import finite_tokens, poison, window_poison
+from .masking import finite_tokens, poison, rows_poison, window_poison
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
@@ -101,10 +101,11 @@ def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, 
     scores = (q @ (rep(wk) * bswa_temp.view(1, H, 1, 1)).transpose(-1, -2)) * scale
     scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], -math.inf)
     values = rep(wv)
+    state_bad = None
     if use_state:
         k_hat, v_hat, bad_rows = finite_tokens(*readout(K, V, R, value_radius, *ln))
-        seen_bad = seen_bad | bad_rows.any(-1, keepdim=True)
+        state_bad = rows_poison(bad_rows)
         s_scores = (q @ (rep(k_hat) * state_temp.view(1, H, 1, 1)).transpose(-1, -2)) * scale
         scores = torch.cat([s_scores, scores], -1)
         values = torch.cat([rep(v_hat), values], 2)
-    return poison(torch.softmax(scores, -1) @ values, seen_bad)
+    return poison(torch.softmax(scores, -1) @ values, seen_bad, state_bad)

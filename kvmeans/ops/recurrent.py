@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from .masking import finite_tokens, poison, window_poison
+from .masking import finite_tokens, poison, rows_poison, window_poison
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
@@ -177,50 +177,55 @@ def _readout_cached(state: KVMState, ln):
 
 
 def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
-    """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``.
-    Masked tokens contribute exactly zero; an output that sees a non-finite key or value is NaN."""
+    """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``."""
     B, H, t, D = q.shape
     Hkv = state.keys.shape[1]
     rep = H // Hkv
     group = lambda x: x.reshape(B, Hkv, rep * t, x.shape[-1])          # query heads of one kv head together
-    wk, wv, bad = finite_tokens(*state.window()[:2])
-    seen_bad = window_poison(bad, state.window_start, q_start, q_start + t, state.chunk_len, state.n_bswa_chunks)
+    wk, wv, k_hat, v_hat, seen_bad = _operands(state, ln, q_start, t, *state.window()[:2])
     scores = group(q * (bswa_temp * scale).view(1, H, 1, 1)) @ wk.transpose(-1, -2)   # [B, Hkv, rep*t, w]
     if t > 1:   # causal inside the window: window token j sits at position window_start + j
         q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(rep).view(rep * t, 1)
         k_pos = torch.arange(state.window_start, state.seen_tokens, device=q.device)
         scores = scores.masked_fill(k_pos > q_pos, -math.inf)
-    if state.window_start == 0:                                         # the state is not active yet
-        return poison((torch.softmax(scores, -1) @ wv).view(B, H, t, -1), seen_bad)
-    k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
-    s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
-    p = torch.softmax(torch.cat([s_scores, scores], -1), -1)        # one softmax over [state ; window]
-    m = k_hat.shape[2]
-    y = p[..., :m] @ v_hat + p[..., m:] @ wv                           # [B, Hkv, rep*t, Dv]; no copy of the state
-    return poison(y.view(B, H, t, -1), seen_bad | bad_rows.any(-1, keepdim=True))
+    if k_hat is None:                                                   # the state is not active yet
+        y = torch.softmax(scores, -1) @ wv
+    else:
+        s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
+        p = torch.softmax(torch.cat([s_scores, scores], -1), -1)    # one softmax over [state ; window]
+        m = k_hat.shape[2]
+        y = p[..., :m] @ v_hat + p[..., m:] @ wv                       # [B, Hkv, rep*t, Dv]; no copy of the state
+    y = y.view(B, H, t, -1)
+    return poison(y, *seen_bad)
 
 
 def _attend_triton(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
-    """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens).
-    A single query masks nothing: its operands go to the kernel as they are (no extra pass per decode step)."""
+    """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens)."""
     from .triton.decode import decode_attention
     t = q.shape[2]
+    wk, wv, k_hat, v_hat, seen_bad = _operands(state, ln, q_start, t, state.window_keys, state.window_values)
+    lengths = _decode_lengths(state, 0 if k_hat is None else state.num_rows, state.window_len, t)
+    y = decode_attention(q, k_hat, v_hat, wk, wv, lengths, state_temp, bswa_temp, scale)
+    return poison(y, *seen_bad)
+
+
+def _operands(state: KVMState, ln, q_start: int, t: int, wk: Tensor, wv: Tensor):
+    """``(wk, wv, k_hat, v_hat, seen_bad)`` for the queries ``[q_start, q_start + t)``: the window keys / values
+    (``wk, wv`` hold the window from its first token), the read-out state (None while inactive) and which
+    queries see a non-finite token (masks for :func:`kvmeans.ops.masking.poison`). A single query masks
+    nothing: its operands are used as they are, with no extra pass per decode step."""
     k_hat = v_hat = None
-    rows = 0
-    wk, wv = state.window_keys, state.window_values
-    if t > 1:
-        wk, wv, bad = finite_tokens(wk, wv)
-        seen_bad = window_poison(bad[:, :, :state.window_len], state.window_start, q_start, q_start + t,
-                                 state.chunk_len, state.n_bswa_chunks)
     if state.window_start > 0:
         k_hat, v_hat = _readout_cached(state, ln)
-        rows = state.num_rows
-        if t > 1:
-            k_hat, v_hat, bad_rows = finite_tokens(k_hat, v_hat)
-            seen_bad = seen_bad | bad_rows.any(-1, keepdim=True)
-    lengths = _decode_lengths(state, rows, state.window_len, t)
-    y = decode_attention(q, k_hat, v_hat, wk, wv, lengths, state_temp, bswa_temp, scale)
-    return poison(y, seen_bad) if t > 1 else y
+    if t == 1:
+        return wk, wv, k_hat, v_hat, ()
+    wk, wv, bad = finite_tokens(wk, wv)
+    seen_bad = [window_poison(None if bad is None else bad[:, :, :state.window_len], state.window_start, q_start,
+                              q_start + t, state.chunk_len, state.n_bswa_chunks)]
+    if k_hat is not None:
+        k_hat, v_hat, bad_rows = finite_tokens(k_hat, v_hat)
+        seen_bad.append(rows_poison(bad_rows))
+    return wk, wv, k_hat, v_hat, seen_bad
 
 
 def _decode_lengths(state: KVMState, rows: int, window_len: int, t: int) -> Tensor:
