@@ -64,7 +64,10 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             chunk-by-chunk implementation whatever ``backend`` says (for fidelity, not speed; autograd works)
             and keeps the state's sums in q's dtype (radii fp32).
     Returns:
-        ``y [B, H, T, Dv]`` in q's dtype, or ``(y, state)`` with ``return_state=True``.
+        ``y [B, H, T, Dv]`` in q's dtype, or ``(y, state)`` with ``return_state=True``. Masked tokens (future,
+        out of the window) contribute exactly zero: a non-finite key or value reaches only the outputs that see
+        it, which are NaN (:mod:`kvmeans.ops.masking`). Buffers are sized by the tokens present, not by
+        ``chunk_len`` / ``n_bswa_chunks``.
     """
     B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
     gate = _check_gate(gate, q, B, Hkv, T)
