@@ -169,3 +169,33 @@ def test_a_beam_search_cache_continues_through_select(padded):
     assert (cache.nbytes, repr(cache)) == (before[0], before[2]) and torch.equal(cache.lengths, before[1])
     with pytest.raises(ValueError, match=r"select: rows must be .* batch rows in \[0, 6\), got \[6\]"):
         cache.select([6])
+
+
+# ---- torch.compile --------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_model_compiles_prefill_and_decode_once(fresh_dynamo):
+    """10 layers (more than dynamo's recompile limit of 8 per function), 8-token chunks: decode steps
+    cross chunk boundaries and grow the state without new compiles; outputs equal eager."""
+    from torch._dynamo.testing import CompileCounter
+    model, counter = tiny(num_layers=10), CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    with torch.no_grad():
+        out, ref = compiled(ids(1, 20)), model(ids(1, 20))
+        prefill_frames = counter.frame_count
+        assert prefill_frames <= 10
+        compiled(ids(1, 20, seed=5))                                  # a new sequence of the same length
+        assert counter.frame_count == prefill_frames
+        cache, ref_cache, tok = out.past_key_values, ref.past_key_values, ref.logits[:, -1:].argmax(-1)
+        for step in range(12):                                        # 20 -> 32 tokens: 2 chunk boundaries
+            if step == 2:
+                warm = counter.frame_count                            # T=1 shapes and a moving position seen
+            out, ref = compiled(tok, past_key_values=cache), model(tok, past_key_values=ref_cache)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+            tok = ref.logits[:, -1:].argmax(-1)
+    assert counter.frame_count == warm <= 20

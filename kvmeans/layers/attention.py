@@ -255,6 +255,12 @@ class GPTAlphaAttention(nn.Module):
         return {n: extras[n] for n in names}
 
 
+# torch.compile traces the layer around the op, not the op: its chunk schedule and routing are Python over
+# the state's token count and buffer sizes (guards change at every chunk boundary and per layer, so tracing
+# it recompiled until the limit and broke the graph in routing); its GPU work is its own Triton kernels
+_kvm_attention_eager = torch.compiler.disable(kvm_attention)
+
+
 class KVMAttention(GPTAlphaAttention):
     """Key-Value Means attention layer: the GPTAlpha-2 preparation, then ``kvm_attention``.
 
@@ -298,7 +304,7 @@ class KVMAttention(GPTAlphaAttention):
         if c.merge_gate:
             gate = (1.0 + F.elu(self.key_weighting(x))).transpose(1, 2)  # [B, Hkv, T], > 0
 
-        y, state = kvm_attention(
+        y, state = _kvm_attention_eager(
             q, k, v, gate, chunk_len=c.chunk_len, n_bswa_chunks=c.n_bswa_chunks,
             sink_len=c.effective_sink_len, rope_dim=c.rope_dim, budget=c.budget,
             state_norm_weight=self.ln_s_k.weight, state_norm_bias=self.ln_s_k.bias,
