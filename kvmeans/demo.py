@@ -1,7 +1,7 @@
 """The "main job" demo: what Key-Value Means attention is for, on a CPU in minutes, nothing downloaded.
 
-Four tiny language models of the same size are trained for the same number of steps on a synthetic
-recall task (by default passkey retrieval: one needle at a random depth, queried at the end; MQAR with
+Four tiny language models of the same size are trained for the same number of steps, once per seed, on
+a synthetic recall task (by default passkey retrieval: one needle at a random depth, queried at the end; MQAR with
 ``task="mqar"`` in :func:`demo_settings`) at a short training length ``T``, differing only in their
 sequence mixer:
 
@@ -12,24 +12,35 @@ sequence mixer:
 
 Each is then evaluated at ``1x, 2x, 4x, 8x`` the training length: recall accuracy, the cache bytes
 after prefilling each length (``ModelCache.nbytes``; KVM state rows too) and decode speed (ms per token
-for a few tokens after the prefill). Prints one table, writes ``results.json`` and ``demo.png``
-(recall vs length, cache bytes vs length).
+for a few tokens after the prefill). Prints the recall's mean (min-max) over the seeds and the memory
+table, writes ``results.json`` and, with matplotlib installed, ``demo.png`` (recall vs length, cache
+bytes vs length).
+
+On a CPU every (model, seed) run uses one torch thread, runs spread over ``workers`` processes, so a
+seed gives the same numbers whatever the number of cores or workers (same torch build and CPU kind).
+A progress bar per model (steps over all seeds, latest loss, elapsed<remaining) goes to stderr when
+it is a terminal; otherwise one line per finished run.
 
 Usage::
 
-    python -m kvmeans.demo [--quick] [--device cpu|cuda] [--out DIR]
+    python -m kvmeans.demo [--quick] [--seeds 0 1 2] [--workers N] [--device cpu|cuda] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import multiprocessing
 import os
+import statistics
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from queue import Empty
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from tqdm import tqdm
 
 from .eval.synthetic import mqar_batch, passkey_batch, recall_accuracy
 from .models import KVMLanguageModel, KVMModelConfig
@@ -47,12 +58,14 @@ def demo_settings(quick: bool = False) -> Dict[str, Any]:
     # single passkey it is. With chunks of 8 and 8 fixed rows the fixed state held the needle as well as
     # the growing one at 8x; with chunks of 4 a 16-row fixed state learns the retrieval only partly and
     # declines with length, while 2*sqrt(N) rows (23 at 128, 64 at 1024) keep recalling (README).
+    # Whether a run learns the retrieval depends on its seed, hence three seeds; batches of 16 (not 32) keep
+    # them within about 10 minutes on 2 cores (400 steps of 32 did not learn it with seed 0).
     s = dict(task="passkey", num_pairs=24, num_queries=8, train_len=128, multiples=(1, 2, 4, 8), vocab_size=64,
              hidden_size=64, num_layers=2, num_heads=2,
-             chunk_len=4, window_chunks=2, fixed_rows=16, sqrt_factor=2.0, steps=800, batch=32, lr=3e-3,
-             warmup=50, eval_samples=64, decode_tokens=8, train_seed_offset=0)
+             chunk_len=4, window_chunks=2, fixed_rows=16, sqrt_factor=2.0, steps=800, batch=16, lr=3e-3,
+             warmup=50, eval_samples=64, decode_tokens=8, seeds=(0, 1, 2))
     if quick:
-        s.update(steps=200, eval_samples=32, decode_tokens=4)
+        s.update(steps=200, eval_samples=32, decode_tokens=4, seeds=(0,))
     return s
 
 
@@ -87,7 +100,12 @@ def _lr_at(step: int, s: Dict[str, Any]) -> float:
     return s["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_model(kind: str, s: Dict[str, Any], seed: int, device: str) -> Dict[str, Any]:
+REPORT_EVERY = 10       # steps between progress reports
+
+
+def train_model(kind: str, s: Dict[str, Any], seed: int, device: str,
+                report: Optional[Callable[[int, float], None]] = None) -> Dict[str, Any]:
+    """Train one model; ``report(steps_done_since_last, mean_loss)`` every ``REPORT_EVERY`` steps."""
     torch.manual_seed(seed)
     model = KVMLanguageModel(model_config(kind, s)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s["lr"], betas=(0.9, 0.95), weight_decay=0.01)
@@ -104,6 +122,9 @@ def train_model(kind: str, s: Dict[str, Any], seed: int, device: str) -> Dict[st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(float(loss.detach()))
+        if report is not None and ((step + 1) % REPORT_EVERY == 0 or step + 1 == s["steps"]):
+            done = (step % REPORT_EVERY) + 1
+            report(done, sum(losses[-done:]) / done)
     return dict(model=model, train_s=time.perf_counter() - t0, final_loss=sum(losses[-10:]) / min(10, len(losses)))
 
 
@@ -131,15 +152,126 @@ def measure(model: KVMLanguageModel, length: int, s: Dict[str, Any], seed: int, 
     return dict(length=length, recall=acc, cache_bytes=nbytes, state_rows=rows, decode_ms_per_token=ms)
 
 
+def run_one(kind: str, seed: int, s: Dict[str, Any], device: str,
+            report: Optional[Callable[[int, float], None]] = None) -> Dict[str, Any]:
+    """One run of the demo: train ``kind`` with ``seed``, then measure it at every length."""
+    tr = train_model(kind, s, seed, device, report)
+    model = tr.pop("model")
+    lengths = [s["train_len"] * m for m in s["multiples"]]
+    evals = [measure(model, t, s, seed=10_000 + 7 * seed + j, device=device) for j, t in enumerate(lengths)]
+    return dict(model=kind, seed=seed, config=model.config.to_dict(), params=model.num_parameters(),
+                train_s=tr["train_s"], final_loss=tr["final_loss"], evals=evals)
+
+
+_progress_queue = None      # in a worker process: where its progress reports go
+
+
+def _init_worker(queue) -> None:
+    global _progress_queue
+    _progress_queue = queue
+    torch.set_num_threads(1)
+
+
+def _run_in_worker(kind: str, seed: int, s: Dict[str, Any], device: str) -> Dict[str, Any]:
+    return run_one(kind, seed, s, device, lambda n, loss: _progress_queue.put((kind, seed, n, loss)))
+
+
+def _drain(queue, on_progress: Callable, wait_s: float = 0.0) -> None:
+    while True:
+        try:
+            on_progress(*(queue.get(timeout=wait_s) if wait_s else queue.get_nowait()))
+        except Empty:
+            return
+
+
+def run_all(runs: Sequence[Tuple[str, int]], s: Dict[str, Any], device: str, workers: int,
+            on_progress: Callable[[str, int, int, float], None],
+            on_done: Callable[[Dict[str, Any]], None]) -> List[Dict[str, Any]]:
+    """:func:`run_one` for each ``(kind, seed)``, in this process (``workers == 1``) or in ``workers`` others.
+
+    ``on_progress(kind, seed, steps, loss)`` and ``on_done(run)`` are called in this process.
+    """
+    if workers == 1:
+        out = []
+        for kind, seed in runs:
+            out.append(run_one(kind, seed, s, device, lambda n, loss: on_progress(kind, seed, n, loss)))
+            on_done(out[-1])
+        return out
+    ctx = multiprocessing.get_context("spawn")       # never fork a process that holds torch's thread pools
+    queue = ctx.Queue()
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+        futures = [pool.submit(_run_in_worker, kind, seed, s, device) for kind, seed in runs]
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(queue, on_progress)
+                for f in done:
+                    on_done(f.result())
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        _drain(queue, on_progress, wait_s=1.0)       # reports still in the pipe
+    return [f.result() for f in futures]
+
+
+class Progress:
+    """One bar per model (steps over all its seeds, the latest loss), on stderr and only if it is a terminal."""
+
+    def __init__(self, models: Sequence[str], steps_per_model: int):
+        self.bars = {m: tqdm(total=steps_per_model, desc=f"{LABELS.get(m, m):<14}", position=i, unit="step",
+                             disable=None, dynamic_ncols=True) for i, m in enumerate(models)}
+
+    def update(self, kind: str, seed: int, steps: int, loss: float) -> None:
+        bar = self.bars[kind]
+        if bar.n == 0:
+            bar.reset()                 # its clock starts with the model's first run, not with the demo
+        bar.set_postfix_str(f"seed {seed} loss {loss:.3f}", refresh=False)
+        bar.update(steps)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+def summarize(runs: List[Dict[str, Any]], models: Sequence[str], lengths: List[int]) -> Dict[str, Any]:
+    """Per model and length: recall mean / min / max over the seeds, memory, median decode time; the runs."""
+    out = {}
+    for name in models:
+        rs = sorted((r for r in runs if r["model"] == name), key=lambda r: r["seed"])
+        evals = []
+        for j, length in enumerate(lengths):
+            per_seed = [r["evals"][j] for r in rs]
+            recalls = [e["recall"] for e in per_seed]
+            evals.append(dict(length=length, recall=statistics.fmean(recalls), recall_min=min(recalls),
+                              recall_max=max(recalls), cache_bytes=per_seed[0]["cache_bytes"],
+                              state_rows=per_seed[0]["state_rows"],
+                              decode_ms_per_token=statistics.median(e["decode_ms_per_token"] for e in per_seed)))
+        out[name] = dict(config=rs[0]["config"], params=rs[0]["params"], seeds=[r["seed"] for r in rs],
+                         train_s=statistics.fmean(r["train_s"] for r in rs),
+                         final_loss=statistics.fmean(r["final_loss"] for r in rs), evals=evals,
+                         runs=[{k: r[k] for k in ("seed", "final_loss", "train_s", "evals")} for r in rs])
+    return out
+
+
+def _recall_cell(e: Dict[str, Any]) -> str:
+    if e["recall_min"] == e["recall_max"]:
+        return f"{e['recall']:.2f}"
+    return f"{e['recall']:.2f} ({e['recall_min']:.2f}-{e['recall_max']:.2f})"
+
+
 def format_table(results: Dict[str, Any]) -> str:
-    """Two blocks: recall per length (like the paper's table), then memory and speed per length."""
+    """Two blocks: recall per length (mean and min-max over seeds), then memory and speed per length."""
     lengths = results["lengths"]
-    name_w = 15
-    head = f"{'model':<{name_w}}" + "".join(f"{'recall@' + str(t):>12}" for t in lengths) + f"{'train s':>9}"
+    name_w, cell_w = 15, 18
+    head = f"{'model':<{name_w}}" + "".join(f"{'recall@' + str(t):>{cell_w}}" for t in lengths) + \
+        f"{'loss':>7}{'train s':>9}"
     lines = [head, "-" * len(head)]
     for name, r in results["models"].items():
-        lines.append(f"{LABELS.get(name, name):<{name_w}}" + "".join(f"{e['recall']:>12.2f}" for e in r["evals"])
-                     + f"{r['train_s']:>9.1f}")
+        lines.append(f"{LABELS.get(name, name):<{name_w}}" + "".join(f"{_recall_cell(e):>{cell_w}}" for e in r["evals"])
+                     + f"{r['final_loss']:>7.3f}{r['train_s']:>9.1f}")
+    lines.append(f"(recall: mean (min-max) over seeds {', '.join(str(x) for x in results['seeds'])}; "
+                 "loss and train s: mean per run)")
     head = f"{'model':<{name_w}}" + "".join(f"{'cache KB@' + str(t):>14}" for t in lengths) + \
         f"{'state rows@' + str(lengths[-1]):>17}{'decode ms/tok':>15}"
     lines += ["", head, "-" * len(head)]
@@ -150,7 +282,7 @@ def format_table(results: Dict[str, Any]) -> str:
         lines.append(f"{LABELS.get(name, name):<{name_w}}" + "".join(f"{e['cache_bytes'] / 1024:>14,.1f}" for e in ev)
                      + f"{rows_s:>17}{ev[-1]['decode_ms_per_token']:>15.2f}")
     lines.append("(cache KB = bytes held after prefilling each length; state rows per KVM layer; decode time "
-                 "per token after the longest prefill)")
+                 "per token after the longest prefill, median over seeds)")
     return "\n".join(lines)
 
 
@@ -158,14 +290,16 @@ def plot(results: Dict[str, Any], path: Path) -> Optional[str]:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        print("matplotlib is not installed; skipping the plot")
+        print("matplotlib is not installed; skipping demo.png (pip install matplotlib)")
         return None
     fig = Figure(figsize=(11, 4.2))
     ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     lengths = results["lengths"]
     for name, r in results["models"].items():
         ev = r["evals"]
-        ax1.plot(lengths, [e["recall"] for e in ev], marker="o", label=LABELS.get(name, name))
+        mean = [e["recall"] for e in ev]
+        spread = [[m - e["recall_min"] for m, e in zip(mean, ev)], [e["recall_max"] - m for m, e in zip(mean, ev)]]
+        ax1.errorbar(lengths, mean, yerr=spread, marker="o", capsize=3, label=LABELS.get(name, name))
         ax2.plot(lengths, [e["cache_bytes"] for e in ev], marker="o", label=LABELS.get(name, name))
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
@@ -174,7 +308,7 @@ def plot(results: Dict[str, Any], path: Path) -> Optional[str]:
         ax.grid(alpha=0.3)
     ax1.set_ylim(-0.02, 1.02)
     ax1.set_ylabel(f"{results['settings']['task']} recall accuracy")
-    ax1.set_title("recall vs context length")
+    ax1.set_title(f"recall vs context length (mean, min-max over {len(results['seeds'])} seeds)")
     ax1.legend()
     ax2.set_yscale("log")
     ax2.set_ylabel("cache bytes after prefill")
@@ -184,27 +318,50 @@ def plot(results: Dict[str, Any], path: Path) -> Optional[str]:
     return str(path)
 
 
-def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seed: int = 0,
-             models: Sequence[str] = MODELS) -> Dict[str, Any]:
-    """Train, evaluate, print the table and write ``results.json`` + ``demo.png`` under ``out_dir``."""
+def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Optional[Sequence[int]] = None,
+             models: Sequence[str] = MODELS, workers: Optional[int] = None,
+             settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Train every model once per seed, evaluate, print the tables; write ``results.json`` (+ ``demo.png``).
+
+    ``settings`` defaults to :func:`demo_settings` (``quick``), ``seeds`` to its ``seeds``; ``workers``
+    (processes of one torch thread each) to one per CPU core, at most one per run; on CUDA, one.
+    """
+    s = dict(settings if settings is not None else demo_settings(quick))
+    if seeds is not None:
+        s["seeds"] = tuple(seeds)
+    if not s["seeds"]:
+        raise ValueError("seeds is empty; give at least one seed, e.g. seeds=(0, 1, 2)")
+    runs = [(m, seed) for m in models for seed in s["seeds"]]       # model-major: the slower KVM runs go first
+    if workers is None:
+        workers = min(os.cpu_count() or 1, len(runs)) if device == "cpu" else 1
+    if workers < 1 or (workers > 1 and device != "cpu"):
+        raise ValueError(f"workers={workers}: use workers >= 1, and workers=1 with device={device!r}")
     if out_dir is None:
         out_dir = Path("results") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if device == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-    s = demo_settings(quick)
     lengths = [s["train_len"] * m for m in s["multiples"]]
     results: Dict[str, Any] = dict(settings={k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()},
-                                   quick=quick, device=device, seed=seed, lengths=lengths, models={})
-    for i, name in enumerate(models):
-        tr = train_model(name, s, seed, device)
-        model = tr.pop("model")
-        evals = [measure(model, t, s, seed=10_000 + 7 * seed + j, device=device) for j, t in enumerate(lengths)]
-        results["models"][name] = dict(config=model.config.to_dict(), params=model.num_parameters(),
-                                       train_s=tr["train_s"], final_loss=tr["final_loss"], evals=evals)
-        print(f"[{i + 1}/{len(models)}] {name}: loss {tr['final_loss']:.3f}, trained in {tr['train_s']:.1f}s, "
-              "recall " + " ".join(f"{e['recall']:.2f}" for e in evals), flush=True)
+                                   quick=quick, device=device, seeds=list(s["seeds"]), workers=workers,
+                                   lengths=lengths, models={})
+    progress = Progress(models, s["steps"] * len(s["seeds"]))
+    finished = []
+
+    def on_done(r: Dict[str, Any]) -> None:
+        finished.append(r)
+        tqdm.write(f"[{len(finished)}/{len(runs)}] {LABELS.get(r['model'], r['model'])} seed {r['seed']}: "
+                   f"loss {r['final_loss']:.3f}, trained in {r['train_s']:.1f}s, recall "
+                   + " ".join(f"{e['recall']:.2f}" for e in r["evals"]))
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)                    # a seed's numbers must not depend on the core count
+    try:
+        all_runs = run_all(runs, s, device, workers, progress.update, on_done)
+    finally:
+        progress.close()
+        torch.set_num_threads(threads)
+    results["models"] = summarize(all_runs, models, lengths)
     table = format_table(results)
     results["table"] = table
     print()
@@ -218,14 +375,18 @@ def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seed: int =
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmeans.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="train less (under 2 minutes on a CPU)")
+    p = argparse.ArgumentParser(prog="kvmeans demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one seed, fewer steps (1-2 minutes on a 2-core CPU)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2; --quick: 0)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes of one torch thread each (default: one per CPU core; 1 with --device cuda)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default=None, help="output folder (default results/demo-<timestamp>)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.workers is not None and (args.workers < 1 or (args.workers > 1 and args.device != "cpu")):
+        p.error(f"--workers {args.workers}: use --workers >= 1, and --workers 1 with --device {args.device}")
     t0 = time.perf_counter()
-    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed)
+    run_demo(args.out, quick=args.quick, device=args.device, seeds=args.seeds, workers=args.workers)
     print(f"total wall time {time.perf_counter() - t0:.1f}s")
     return 0
 

@@ -1,7 +1,29 @@
-"""End-to-end check of the demo (``python -m kvmeans.demo --quick``): files, table, memory story."""
+"""The demo (``kvmeans demo``): the quick run end to end, seeds that reproduce with any number of workers or
+threads, progress bars only on a terminal, and a run with nothing installed but ``kvmeans[demo]``."""
+import io
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
 
 from kvmeans import demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_settings(seeds=(0, 1)):
+    s = demo.demo_settings(quick=True)
+    s.update(steps=3, multiples=(1, 2), eval_samples=4, decode_tokens=1, seeds=seeds)
+    return s
+
+
+def per_seed(results):
+    """``{model: [(seed, final_loss, recalls), ...]}`` of a demo's results."""
+    return {name: [(r["seed"], r["final_loss"], [e["recall"] for e in r["evals"]]) for r in m["runs"]]
+            for name, m in results["models"].items()}
 
 
 def test_demo_quick_end_to_end(tmp_path, capsys):
@@ -12,16 +34,20 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     assert (out / "results.json").is_file()
     assert (out / "demo.png").is_file() and (out / "demo.png").stat().st_size > 0
     assert "recall@" in printed and "decode ms/tok" in printed and "total wall time" in printed
+    assert f"[{len(demo.MODELS)}/{len(demo.MODELS)}]" in printed          # one line per finished run
     for label in demo.LABELS.values():
         assert label in printed
 
     res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [0]
     lengths = res["lengths"]
     assert lengths == [res["settings"]["train_len"] * m for m in (1, 2, 4, 8)]
     assert set(res["models"]) == set(demo.MODELS)
     for r in res["models"].values():
         assert [e["length"] for e in r["evals"]] == lengths
-        assert all(0.0 <= e["recall"] <= 1.0 and e["decode_ms_per_token"] > 0 for e in r["evals"])
+        assert [run["seed"] for run in r["runs"]] == [0]
+        assert all(0.0 <= e["recall_min"] <= e["recall"] <= e["recall_max"] <= 1.0 and e["decode_ms_per_token"] > 0
+                   for e in r["evals"])
 
     fixed = [e["cache_bytes"] for e in res["models"]["kvm-fixed"]["evals"]]
     assert len(set(fixed)) == 1, f"fixed-budget KVM memory must be flat, got {fixed}"
@@ -34,3 +60,89 @@ def test_demo_quick_end_to_end(tmp_path, capsys):
     full = [e["cache_bytes"] for e in res["models"]["full"]["evals"]]
     assert all(a < b for a, b in zip(full, full[1:])), f"full attention's cache must grow, got {full}"
     assert full[-1] > 4 * full[0]
+
+
+def demo_distributions():
+    """Distributions that ``pip install .[demo]`` brings in: the core dependencies, the extra, and theirs."""
+    import importlib.metadata as md
+
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    todo = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["demo"]]
+    seen = set()
+    while todo:
+        req = todo.pop()
+        if canonicalize_name(req.name) in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(canonicalize_name(req.name))
+        todo += [Requirement(r) for r in md.requires(req.name) or []]
+    return {name: md.distribution(name) for name in seen}
+
+
+@pytest.fixture(scope="module")
+def lean_run(tmp_path_factory):
+    """A tiny demo (2 seeds, 2 workers) in a Python that sees only the stdlib, kvmeans and ``kvmeans[demo]``."""
+    tmp = tmp_path_factory.mktemp("lean")
+    site = tmp / "site"                 # like a fresh venv's site-packages: links to those distributions only
+    site.mkdir()
+    for dist in demo_distributions().values():
+        for top in {f.parts[0] for f in dist.files} - {"..", "__pycache__"}:
+            if not (site / top).exists():
+                (site / top).symlink_to(dist.locate_file(top))
+    out = tmp / "out"
+    code = (f"import sys\nsys.path[:0] = [{str(site)!r}, {str(REPO)!r}]\nfrom kvmeans import demo\n"
+            f"demo.run_demo({str(out)!r}, settings={tiny_settings()!r}, workers=2)\n")
+    proc = subprocess.run([sys.executable, "-S", "-E", "-c", code], capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def test_demo_runs_with_only_the_demo_extra(lean_run):
+    proc, out = lean_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "results.json").is_file()
+    assert "matplotlib is not installed; skipping demo.png" in proc.stdout and not (out / "demo.png").exists()
+    assert "[8/8]" in proc.stdout                       # 4 models x 2 seeds, one line each
+    assert "\r" not in proc.stdout + proc.stderr and "step/s" not in proc.stderr, "no bars unless a terminal"
+
+
+def test_seed_results_do_not_depend_on_workers_or_threads(lean_run, tmp_path):
+    proc, out = lean_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        res = demo.run_demo(tmp_path, settings=tiny_settings(), workers=1)     # in this process, 2 threads set
+        assert torch.get_num_threads() == 2, "the demo restores the caller's thread count"
+    finally:
+        torch.set_num_threads(threads)
+    assert per_seed(res) == per_seed(json.loads((out / "results.json").read_text()))
+    losses = per_seed(res)["kvm-fixed"]
+    assert losses[0][1] != losses[1][1], "two seeds, two different runs"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_per_model_on_a_terminal(tmp_path, monkeypatch):
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    demo.run_demo(tmp_path, settings=tiny_settings(seeds=(0,)), models=("bswa", "full"), workers=1)
+    bars = err.getvalue()
+    for label in ("BSWA", "full attention"):
+        assert label in bars
+    assert "100%" in bars and "3/3" in bars and "seed 0 loss" in bars and "<" in bars   # steps, loss, remaining
+
+
+def test_bad_workers_and_seeds_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--workers", "0", "--out", str(tmp_path)])
+    assert "--workers 0: use --workers >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="seeds is empty"):
+        demo.run_demo(tmp_path, settings=tiny_settings(seeds=()))
+    with pytest.raises(ValueError, match="workers=2: .*workers=1 with device='cuda'"):
+        demo.run_demo(tmp_path, settings=tiny_settings(), device="cuda", workers=2)
