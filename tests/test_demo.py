@@ -106,6 +106,7 @@ def test_demo_runs_with_only_the_demo_extra(lean_run):
     assert "matplotlib is not installed; skipping demo.png" in proc.stdout and not (out / "demo.png").exists()
     assert "[8/8]" in proc.stdout                       # 4 models x 2 seeds, one line each
     assert "\r" not in proc.stdout + proc.stderr and "step/s" not in proc.stderr, "no bars unless a terminal"
+    assert "NumPy" not in proc.stderr, "torch warns at import when numpy is missing"
 
 
 def test_seed_results_do_not_depend_on_workers_or_threads(lean_run, tmp_path):
