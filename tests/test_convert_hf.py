@@ -72,6 +72,16 @@ def test_prefill_then_token_by_token_decode_equals_one_forward(family):
 
 
 @torch.no_grad()
+def test_deepcopy_of_a_converted_model_uses_its_own_rotary():
+    model = convert_hf(tiny("llama"), **SMALL)
+    twin = copy.deepcopy(model)
+    attn = twin.model.layers[0].self_attn
+    assert attn.kvm_rope_at.rotary is twin.model.rotary_emb
+    x = ids(60)
+    torch.testing.assert_close(twin(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
 def test_generate_greedy_equals_argmax_of_full_forwards():
     model = convert_hf(tiny("llama"), **SMALL)
     x = ids(30, B=1)

@@ -145,17 +145,20 @@ def _attention_layers(model) -> dict:
     return found
 
 
-def _rope_at(model, module):
+class _RopeAt:
     """``(distance, like) -> (cos [R], sin [R])`` from the model's own rotary embedding (one source of truth
-    for theta, partial rotary and scaling; Gemma3 picks the layer type's RoPE)."""
-    rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
-    extra = {"layer_type": module.layer_type} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+    for theta, partial rotary and scaling; Gemma3 picks the layer type's RoPE). An object, not a closure, so
+    ``copy.deepcopy(model)`` points the copy at its own rotary module."""
 
-    def rope_at(distance: int, like: torch.Tensor):
+    def __init__(self, model, module):
+        self.rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+        params = inspect.signature(self.rotary.forward).parameters
+        self.extra = {"layer_type": module.layer_type} if "layer_type" in params else {}
+
+    def __call__(self, distance: int, like: torch.Tensor):
         x = torch.empty(0, device=like.device, dtype=torch.float32)
-        cos, sin = rotary(x, torch.tensor([[distance]], device=like.device), **extra)
+        cos, sin = self.rotary(x, torch.tensor([[distance]], device=like.device), **self.extra)
         return cos[0, 0], sin[0, 0]
-    return rope_at
 
 
 def _refuse_padding(model, args, kwargs):
@@ -195,7 +198,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     for i in chosen:
-        convert_attention_layer(attn[i], spec, _rope_at(model, attn[i]) if has_rope else None)
+        convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None)
     if not getattr(model, "_kvm_padding_hook", False):
         model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
         model._kvm_padding_hook = True
