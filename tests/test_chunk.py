@@ -215,3 +215,52 @@ def test_mixed_numerics_is_exact_for_float32():
     y0, s0, g0 = outputs_and_grads("chunked", CASES[5], torch.float32)
     y1, s1, g1 = outputs_and_grads("chunked", CASES[5], torch.float32, numerics="mixed")
     assert torch.equal(y0, y1) and all(torch.equal(g0[k], g1[k]) for k in NAMES)
+
+
+# ---- no-grad prefill: whole chunks attend in three dense calls joined by their log-sum-exp ----------------------
+# (T, C, n, sink, budget, H, Hkv, rope_dim) with D == Dv (the CPU flash kernel's condition)
+JOINED = [
+    (64, 4, 2, 1, StateBudget.fixed(8), 4, 2, 2),
+    (70, 8, 3, 3, StateBudget.power_law(3, 0.5, min_len=8), 4, 2, 2),    # rows grow inside a group: state mask
+    (41, 4, 1, 1, CALLABLE, 2, 2, 2),                                      # n = 1: no previous chunks
+    (50, 5, 2, 1, StateBudget.fixed(12), 2, 1, 4),
+]
+NO_GRADS = {name: torch.zeros(1) for name in NAMES}     # compare() without gradients
+
+
+@pytest.mark.parametrize("split", [None, 13], ids=["fresh", "continued-mid-chunk"])
+@pytest.mark.parametrize("case", JOINED, ids=case_id)
+def test_no_grad_prefill_joins_dense_calls(case, split, monkeypatch):
+    """Whole chunks with whole windows take the joined attention (state, previous chunks, causal own chunk); its
+    outputs and final state equal naive's, fresh or continuing a state that ends mid-chunk."""
+    T, C, n, S, budget, H, Hkv, r = case
+    joined = []
+    real = chunk_mod._joined_attention
+    monkeypatch.setattr(chunk_mod, "_joined_attention", lambda y, q, *a, **k: joined.append(q.shape[2]) or
+                        real(y, q, *a, **k))
+    inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=torch.float64, seed=3)
+    ref, ref_state = run("naive", inputs, T, C, n, S, budget, r)
+    with torch.no_grad():
+        if split is None:
+            y, state = run("chunked", inputs, T, C, n, S, budget, r)
+        else:
+            head, tail = ({k: v[:, :, a:b] if v.dim() > 1 else v for k, v in inputs.items()} for a, b in
+                          ((0, split), (split, T)))
+            y0, state = run("chunked", head, split, C, n, S, budget, r)
+            y1, state = run("chunked", tail, T - split, C, n, S, budget, r, initial_state=state)
+            y = torch.cat([y0, y1], 2)
+    compare((ref, ref_state, NO_GRADS), (y, state, NO_GRADS), 1e-10)
+    whole = (T // C - (n - 1)) * C if split is None else \
+        max(0, split // C - (n - 1)) * C + (T // C - -(-split // C)) * C   # the partial chunk at 13 attends masked
+    assert sum(joined) == whole                                 # queries of whole chunks with whole windows
+
+
+def test_no_grad_prefill_without_the_flash_kernel_masks_one_call(monkeypatch):
+    """Where the CPU flash kernel is missing (older torch, other devices) every group takes the masked call."""
+    monkeypatch.setattr(chunk_mod, "_FLASH_CPU", None)
+    monkeypatch.setattr(chunk_mod, "_joined_attention", None)
+    T, C, n, S, budget, H, Hkv, r = JOINED[0]
+    inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=torch.float64, seed=3)
+    with torch.no_grad():
+        y, state = run("chunked", inputs, T, C, n, S, budget, r)
+    compare((*run("naive", inputs, T, C, n, S, budget, r), NO_GRADS), (y, state, NO_GRADS), 1e-10)

@@ -193,23 +193,26 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
     own_buffers(state, rows=max(rows_at + [state.num_rows]), window=t1 - bswa_begin(t1, C, n))
     c_first, c_last = t0 // C, (t1 - 1) // C
+    tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
     per_row = B * H * (C + q.shape[3] + vv.shape[3]) * q.element_size()
-    if attn == "triton":    # snapshot rows per chunk only (read-out keys and values per kv head)
+    if tri:                 # snapshot rows per chunk only (read-out keys and values per kv head)
         per_row = B * Hkv * (q.shape[3] + vv.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn)
+    split = not tri and _FLASH_CPU is not None and q.device.type == "cpu" and q.shape[3] == vv.shape[3]
+    kind = (lambda c: (rows_at[c] > 0, _whole_window(c, C, n, w0))) if split else None
+    groups = _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn, kind)
     ka, va, bad = finite_tokens(kk, vv)         # attention operands: masked tokens must contribute exactly zero
     qa, ka, va = (x.to(mma_dtype) for x in (q, ka, va)) if mma_dtype else (q, ka, va)
-    q_parts = qa.split([min(cb * C, t1) - max(ca * C, t0) for ca, cb in groups], 2)
-    win = lambda x: [_windows(x, w0, *_window_geometry(ca, cb, C, n, t0, t1, w0)[1:], C) for ca, cb in groups]
     temp = state_temp.view(1, Hkv, H // Hkv, 1, 1)
-    tri = attn == "triton"      # snapshots [B, G, Hkv, 1, M, D] without temperature; the window is read from kk/vv
-    outs = []
-    windows = ([ka] * len(groups), [va] * len(groups)) if tri else (win(ka), win(va))   # Triton reads by position
-    for (ca, cb), qg, kw, vw in zip(groups, q_parts, *windows):
-        M = rows_at[cb - 1]
-        if tri:
-            keys, values = (qa.new_empty(B, cb - ca, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
+    y = q.new_empty(B, H, T, vv.shape[3])
+    for ca, cb in groups:
+        M, G = rows_at[cb - 1], cb - ca
+        lo, hi = max(ca * C, t0) - t0, min(cb * C, t1) - t0
+        qg = qa[:, :, lo:hi]
+        joined = split and hi - lo == G * C and _whole_window(ca, C, n, w0)
+        if tri or joined:       # snapshots per kv head: the temperature goes with the queries
+            keys, values = (qa.new_empty(B, G, Hkv, 1, M, x.shape[-1]) for x in (kk, vv))
         else:
+            kw, vw = (_windows(x, w0, *_window_geometry(ca, cb, C, n, t0, t1, w0)[1:], C) for x in (ka, va))
             keys, values = _group_operands(qg, kw, vw, bswa_temp, M)
         stale = None        # [B, G, Hkv]: the chunk's snapshot holds a non-finite row (None: none does)
         for g, c in enumerate(range(ca, cb) if M else ()):
@@ -218,23 +221,27 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates, attn=attn)
                 k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
                 if bad_rows is not None:
-                    stale = q.new_zeros(B, cb - ca, Hkv, dtype=torch.bool) if stale is None else stale
+                    stale = q.new_zeros(B, G, Hkv, dtype=torch.bool) if stale is None else stale
                     stale[:, g] = bad_rows.any(-1)
                 m = state.num_rows
-                if tri:
+                if tri or joined:
                     keys[:, g, :, 0, :m] = k_hat
                 else:
                     torch.mul(k_hat.unsqueeze(2), temp, out=keys[:, g, :, :, :m])   # written once, no temporary
                 values[:, g, :, :, :m] = v_hat.unsqueeze(2)
             keys[:, g, :, :, m:M] = 0                   # hidden by the mask, but must be finite
             values[:, g, :, :, m:M] = 0
-        if tri:
+        if joined:
+            out = _joined_attention(y[:, :, lo:hi], qg, keys, values, rows_at[ca:cb], ka, va, ca * C - w0,
+                                    state_temp, bswa_temp, C=C, n=n, scale=scale)
+        elif tri:
             out = _triton_group(ca, cb, qg, keys.squeeze(3) if M else None, values.squeeze(3) if M else None,
-                                kw, vw, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale)
+                                ka, va, w0, state_temp, bswa_temp, C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale)
         else:
             out = _group_sdpa(qg, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale)
-        outs.append(_poison_chunks(out, stale))
-    y = poison(torch.cat(outs, 2), window_poison(bad, w0, t0, t1, C, n))
+        if not joined or stale is not None:
+            y[:, :, lo:hi] = _poison_chunks(out, stale)
+    y = poison(y, window_poison(bad, w0, t0, t1, C, n))
     absorb(state, kk, vv, gg, w0, t1, budget, ln, *gates, attn=attn)          # the lazy final coverage
     ws, wl = bswa_begin(t1, C, n) - w0, t1 - bswa_begin(t1, C, n)
     state.window_keys[:, :, :wl] = kk[:, :, ws:]
@@ -357,6 +364,66 @@ def _group_sdpa(q, keys, values, mask, scale) -> Tensor:
     return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
 
 
+# the CPU flash kernel behind SDPA, which also returns each query's log-sum-exp (no autograd for it)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _whole_window(c: int, C: int, n: int, w0: int) -> bool:
+    """Chunk ``c``'s n - 1 previous chunks all exist (from position ``w0`` on)."""
+    return (c + 1 - n) * C >= w0
+
+
+def _joined_attention(y, q, keys, values, rows, kk, vv, start, state_temp, bswa_temp, *, C, n, scale) -> Tensor:
+    """Writes ``y [B, H, G*C, Dv]`` (a view, returned): G whole chunks of queries ``q [B, H, G*C, D]`` whose windows
+    are whole, attending to their state snapshot ``keys, values [B, G, Hkv, 1, M, D|Dv]`` (``rows[g]`` visible), the
+    n - 1 previous chunks and their own chunk (causal) of ``kk, vv [B, Hkv, N, D|Dv]`` (chunk ``g`` starts at
+    ``start + g*C``). Three unmasked flash calls (the window read as views, no copy) joined by their log-sum-exp;
+    the one-call masked SDPA computes the same keys plus a mask and a window copy per chunk."""
+    B, H, _, D = q.shape
+    Hkv, G, M, Dv = kk.shape[1], keys.shape[1], keys.shape[4], vv.shape[3]
+    rep = H // Hkv
+    by_chunk = lambda t: t.permute(0, 3, 1, 2, 4, 5)        # [B, Hkv, rep, G, C, ...] -> [B, G, Hkv, rep, C, ...]
+    heads = lambda t: t.unflatten(2, (G, C)).unflatten(1, (Hkv, rep))
+
+    def queries(temp):      # [B*G, Hkv, rep*C, D]: the query heads of a kv head together, temperature applied
+        out = q.new_empty(B, G, Hkv, rep, C, D)
+        torch.mul(by_chunk(heads(q)), temp.view(1, 1, Hkv, rep, 1, 1), out=out)
+        return out.view(B * G, Hkv, rep * C, D)
+    qw = queries(bswa_temp)
+    own = [t[:, :, start:start + G * C].unflatten(2, (G, C)).transpose(1, 2).reshape(B * G, Hkv, C, t.shape[-1])
+           for t in (kk, vv)]
+    own = [t.repeat_interleave(rep, 1) for t in own] if rep > 1 else own
+    parts = [_FLASH_CPU(qw.view(B * G, H, C, D), *own, is_causal=True, scale=scale)[:2]]
+    if n > 1:
+        L = (n - 1) * C
+        prev = [t[:, :, start - L:start + (G - 1) * C].unfold(2, L, C).permute(0, 2, 1, 4, 3).reshape(B * G, Hkv, L, -1)
+                for t in (kk, vv)]
+        parts.append(_FLASH_CPU(qw, *prev, scale=scale)[:2])
+    if M:
+        mask = None
+        if min(rows) < M:   # rows created after this chunk's snapshot
+            hidden = torch.arange(M, device=q.device) >= torch.tensor(rows, device=q.device).view(G, 1)
+            mask = q.new_zeros(G, M).masked_fill_(hidden, float("-inf")).repeat(B, 1).view(B * G, 1, 1, M)
+        parts.append(_FLASH_CPU(queries(state_temp), keys.view(B * G, Hkv, M, D), values.view(B * G, Hkv, M, Dv),
+                                attn_mask=mask, scale=scale)[:2])
+    lse = [l.view(B, G, Hkv, rep, C, 1) for _, l in parts]
+    top = lse[0]
+    for l in lse[1:]:
+        top = torch.maximum(top, l)
+    w = [(l - top).exp_() for l in lse]
+    total = w[0] + w[1] if len(w) > 1 else w[0]
+    for x in w[2:]:
+        total += x
+    out = by_chunk(heads(y))
+    for i, ((o, _), x) in enumerate(zip(parts, w)):
+        o = o.view(B, G, Hkv, rep, C, Dv)
+        if i == 0:
+            torch.mul(o, x.div_(total), out=out)
+        else:
+            out.addcmul_(o, x.div_(total))
+    return y
+
+
 def _rows_visible(state: KVMState, block_rows: dict, t1: int) -> List[int]:
     """Rows visible to each query chunk ``c < ceil(t1 / C)``: block b is in the state from chunk b + n on
     (0 while the state is inactive). ``block_rows``: block index -> rows once it entered."""
@@ -377,9 +444,10 @@ def _planned_rows(state: KVMState, budget, t1: int) -> dict:
     return rows
 
 
-def _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn):
+def _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn, kind=None):
     """Split query chunks ``[c_first, c_last]`` into runs whose attention working set fits ``group_bytes``.
-    Only whole chunks share a run: a partial first or last chunk attends alone, with just its queries."""
+    Only whole chunks share a run: a partial first or last chunk attends alone, with just its queries;
+    ``kind(c)`` (if given) must also be equal within a run."""
     def fits(ca, cb):
         window = 0 if attn == "triton" else _window_geometry(ca, cb, C, n, t0, t1, w0)[3]
         return (cb - ca) * (rows_at[cb - 1] + window) * per_row <= group_bytes
@@ -387,7 +455,7 @@ def _groups(c_first, c_last, rows_at, per_row, group_bytes, C, n, t0, t1, w0, at
     groups, ca = [], c_first
     while ca <= c_last:
         cb = ca + 1
-        while cb <= c_last and whole(ca) and whole(cb) and fits(ca, cb + 1):
+        while cb <= c_last and whole(ca) and whole(cb) and fits(ca, cb + 1) and (kind is None or kind(cb) == kind(ca)):
             cb += 1
         groups.append((ca, cb))
         ca = cb

@@ -18,6 +18,9 @@ from torch import Tensor
 def finite_tokens(k: Tensor, v: Tensor):
     """``(k, v, bad)``: ``k [..., N, D]``, ``v [..., N, Dv]`` with the tokens that hold a non-finite entry zeroed,
     and ``bad [..., N]`` flagging them; ``(k, v, None)``, uncopied, when all are finite (one host sync)."""
+    acc = torch.promote_types(k.dtype, torch.float32)
+    if bool((k.sum(dtype=acc) + v.sum(dtype=acc)).isfinite()):   # one read, no temporary (~10x cheaper than below);
+        return k, v, None                                        # a sum that overflows falls through, still exact
     bad = ((k * 0).sum(-1) + (v * 0).sum(-1)).isnan()     # 0 * x: 0 if x is finite, else NaN (and no overflow)
     if not bool(bad.any()):
         return k, v, None

@@ -57,7 +57,8 @@ def merge_scores(sel: Tensor, rows_hat: Tensor, s: int):
     on ties) and the novelty ``max`` over all rows, sinks included."""
     logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [..., N, M]
     cand = logits[..., s:]                                      # merge candidates: non-sink rows
-    best, target = cand.amax(-1), cand.argmax(-1) + s           # (amax + argmax beat max() on CPU; first max wins)
+    best, target = cand.max(-1)                                 # first max wins (documented, as argmax)
+    target = target + s
     novelty = torch.maximum(best, logits[..., :s].amax(-1)) if s else best
     return best, target, novelty
 
