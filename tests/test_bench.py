@@ -2,6 +2,10 @@
 import csv
 import importlib.util
 
+import pytest
+
+from kvmeans import StateBudget
+from kvmeans.bench.flops import useful_flops
 from kvmeans.bench.ops import main
 from kvmeans.cli import main as cli
 
@@ -28,6 +32,29 @@ def test_bench_ops_writes_csv_and_png(tmp_path, capsys):
         assert (tmp_path / "ops.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "speedup" in out and "kept by autograd for backward" in out
+    assert "matmul rate (float32" in out and "of bound sdpa/fixed/sqrt" in out
+    rate = {float(r["matmul_gflops"]) for r in rows}
+    assert len(rate) == 1 and rate.pop() > 0        # one rate per run, the same in every row
+    for r in rows:                                   # useful FLOPs / time against that rate
+        gflops = float(r["useful_gflop"]) / (float(r["time_ms"]) / 1e3)
+        assert float(r["gflops"]) == pytest.approx(gflops)
+        assert float(r["bound_fraction"]) == pytest.approx(gflops / float(r["matmul_gflops"]))
+
+
+def test_useful_flops_by_hand():
+    """T=10, C=2, n=2, one head of width 1 (4 FLOPs per key seen, 2 per routing score). Keys seen per chunk of two
+    queries: window 1+2, 3+4, then 3+4 plus 2 state rows each; blocks [2,4) and [4,6) route 2 tokens against 2 rows."""
+    kw = dict(batch=1, heads=1, kv_heads=1, head_dim=1, chunk_len=2, n_bswa_chunks=2, decode_steps=1)
+    fixed = StateBudget.fixed(2)
+    assert useful_flops("kvm", "prefill", 10, budget=fixed, **kw) == 4 * (3 + 7 + 11 + 11 + 11) + 2 * (4 + 4)
+    assert useful_flops("kvm", "backward", 10, budget=fixed, **kw) == 2 * 4 * 43
+    assert useful_flops("sdpa", "prefill", 10, **kw) == 4 * sum(range(1, 11))
+    # a budget of 3 rows: block [2,4) appends one row and merges the other token (scored against 2 + 1 rows)
+    assert useful_flops("kvm", "prefill", 10, budget=lambda n: 3, **kw) == 4 * (3 + 7 + 11 + 13 + 13) + 2 * (6 + 6)
+    # decode, per token over positions 10 and 11: window 3 and 4 keys plus 2 rows; block [6,8) is routed at 10
+    kw["decode_steps"] = 2
+    assert useful_flops("kvm", "decode", 10, budget=fixed, **kw) == (4 * (5 + 6) + 2 * 4) / 2
+    assert useful_flops("sdpa", "decode", 10, **kw) == 4 * (11 + 12) / 2
 
 
 def test_cli_routes_to_bench(tmp_path):

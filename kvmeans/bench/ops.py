@@ -15,6 +15,9 @@ Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed2
             CSV ``step_median_ms`` / ``step_max_ms`` give the steady-state and the worst step.
 Memory: KVM state rows and ``state.nbytes`` right after prefilling T tokens (``state_bytes``; the
 decode buffers with spare capacity are ``state_bytes_decode``) vs the KV cache ``2*B*Hkv*T*D*elem``.
+FLOP bound: each arm's useful FLOPs (:mod:`kvmeans.bench.flops`) per second against the rate of one large matmul
+in the run's dtype, measured at the start and at the end of the run (the faster is kept): CSV ``useful_gflop``,
+``gflops``, ``matmul_gflops``, ``bound_fraction``; the table's "of bound" column.
 KVM implementation (``--kvm-impl``, CSV ``kvm_impl``): auto = the Triton kernels on CUDA when Triton is
 installed (``backend="triton"``), the torch paths otherwise; run once with ``torch`` and once with ``triton``
 to compare them. On CUDA the warm-up call also runs the kernels' autotuning.
@@ -36,6 +39,7 @@ import torch
 from kvmeans.ops.schedule import rows_after
 
 from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode, resolved_kvm_impl
+from .flops import matmul_rate, useful_flops
 from .report import env_info, format_env, human_bytes, plot_panels, print_table, write_csv, write_json
 CPU_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 CUDA_LENGTHS = CPU_LENGTHS + [65536]
@@ -43,7 +47,7 @@ COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
            "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics",
-           "saved_bytes"]
+           "saved_bytes", "useful_gflop", "gflops", "matmul_gflops", "bound_fraction"]
 
 
 @dataclass
@@ -133,6 +137,7 @@ def run(argv=None) -> OpsResult:
     print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
           f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl} numerics={a.numerics}; repeats={a.repeats} (median), "
           f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
+    rates = [matmul_rate(a.dev, DTYPES[a.dtype])]       # the FLOP bound's rate, measured again at the end
     res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
     mem: Dict[tuple, Dict[str, int]] = {}        # (T, arm) -> rows / bytes
     warmed, start = set(), time.perf_counter()
@@ -184,6 +189,10 @@ def run(argv=None) -> OpsResult:
                         raise
         del x
     info["loadavg_end"] = env_info(a.device)["loadavg"]
+    rates.append(matmul_rate(a.dev, DTYPES[a.dtype]))
+    a.matmul_rate = info["matmul_gflops"] = max(rates) / 1e9
+    print(f"# matmul rate ({a.dtype}, one large square matmul): {rates[0] / 1e9:.1f} GFLOP/s at start, "
+          f"{rates[1] / 1e9:.1f} at end; the bound uses {a.matmul_rate:.1f}")
     print(f"# /proc/loadavg at end: {info['loadavg_end']}  ({time.perf_counter() - start:.0f} s)")
     return _report(a, info, res, mem)
 
@@ -204,13 +213,19 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
         sd = _ms(res.get((T, mode, "sdpa"), {}).get("time"))
         # the "state" of full attention is its KV cache
         m = {"rows": T, "state_bytes": kv(T), "state_bytes_used": kv(T)} if arm == "sdpa" else mem.get((T, arm), {})
+        flops = useful_flops(arm, mode, T, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
+                             chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, decode_steps=a.decode_steps,
+                             budget=BUDGETS.get(arm))
+        rate = flops / (t / 1e3) / 1e9 if t else None          # GFLOP/s of useful work
         rows.append({"T": T, "mode": mode, "arm": arm, "time_ms": t, "time_min_ms": _ms(r.get("time"), min),
                      "time_max_ms": _ms(r.get("time"), max), "repeats": len(r.get("time", [])),
                      "fwd_grad_ms": _ms(r.get("fwd_grad")), "step_median_ms": _ms(r.get("step_median")),
                      "step_max_ms": _ms(r.get("step_max")), "speedup_vs_sdpa": sd / t if t and sd else None,
                      **m, "state_bytes_decode": max(r["state_bytes_decode"]) if r.get("state_bytes_decode") else None,
                      "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"),
-                     "saved_bytes": int(max(r["saved_bytes"])) if r.get("saved_bytes") else None, **cfg})
+                     "saved_bytes": int(max(r["saved_bytes"])) if r.get("saved_bytes") else None,
+                     "useful_gflop": flops / 1e9, "gflops": rate, "matmul_gflops": a.matmul_rate,
+                     "bound_fraction": rate / a.matmul_rate if rate else None, **cfg})
     return rows
 
 
@@ -225,15 +240,18 @@ def _report(a, info, res, mem) -> OpsResult:
             g = lambda arm, k: by.get((T, mode, arm), {}).get(k)
             cell = lambda arm: "oom" if g(arm, "status") == "oom" else fmt(g(arm, "time_ms"))
             sp = lambda arm: "" if g(arm, "speedup_vs_sdpa") is None else f"{g(arm, 'speedup_vs_sdpa'):.2f}x"
+            bound = lambda arm: "-" if g(arm, "bound_fraction") is None else \
+                f"{100 * g(arm, 'bound_fraction'):.{0 if g(arm, 'bound_fraction') >= 0.1 else 1}f}%"
             mf, ms = mem.get((T, "kvm-fixed256"), {}), mem.get((T, "kvm-sqrt16"), {})
             table.append([T, mode, cell("sdpa"), cell("kvm-fixed256"), cell("kvm-sqrt16"), sp("kvm-fixed256"),
                           sp("kvm-sqrt16"), mf.get("rows", ""), ms.get("rows", ""),
                           f"{human_bytes(mf.get('state_bytes'))}/{human_bytes(ms.get('state_bytes'))}",
-                          human_bytes(kv(T))])
+                          human_bytes(kv(T)), "/".join(bound(arm) for arm in ARMS)])
     print(f"\n# times in ms (median of {a.repeats}); decode = mean per token over {a.decode_steps} steps; "
-          f"speedup = sdpa / kvm; bytes per layer")
+          f"speedup = sdpa / kvm; bytes per layer; of bound = useful FLOPs / time / matmul rate "
+          f"({a.matmul_rate:.1f} GFLOP/s; kvmeans.bench.flops)")
     print_table(["T", "mode", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt", "rows fixed",
-                 "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes"], table)
+                 "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes", "of bound sdpa/fixed/sqrt"], table)
     if "backward" in a.modes:
         kept = lambda T, arm: by.get((T, "backward", arm), {}).get("saved_bytes")
         print("\n# kept by autograd for backward (bytes, inputs included; the memory a training step holds per layer)")
