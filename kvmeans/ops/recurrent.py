@@ -139,9 +139,12 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
     returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``. ``attn="triton"`` (fp32 state): routing by
     ``route_overflow_triton`` (same rule and ties as ``route_overflow``), sums by ``scatter_add_rows``."""
     kbar = memory_keys(kb, state.rope_dim, *ln)
-    everyone = torch.ones_like(gb, dtype=torch.bool)
-    ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
-                             gate_appends=gate_appends)
+    append_hat = None                                # LN_s of the key each token would get as a new row
+    if step.n_append > 0:
+        everyone = torch.ones_like(gb, dtype=torch.bool)
+        ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
+                                 gate_appends=gate_appends)
+        append_hat = state_layer_norm(ak, *ln)
     rows_hat, _ = _readout_cached(state, ln)         # LN_s of the state: shared with the attention readout
     fused = attn == "triton" and state.keys.dtype == torch.float32 and state.radii.dtype == torch.float32
     if fused:
@@ -149,7 +152,7 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
         route = tri.route_overflow_triton
     else:
         route = route_overflow
-    dest, app = route(rows_hat, kbar, state_layer_norm(ak, *ln), step.n_append, state.sink_len)
+    dest, app = route(rows_hat, kbar, append_hat, step.n_append, state.sink_len)
     dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
                                 gate_appends=gate_appends)
     _reserve_rows(state, step.rows_after)
@@ -161,9 +164,7 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
         radius = torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad)
         tri.scatter_add_rows(state.radii.unsqueeze(-1), d32, radius.unsqueeze(-1))
     else:
-        state.keys[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dk), dk)
-        state.values[:, :, :m1].scatter_add_(2, dest.unsqueeze(-1).expand_as(dv), dv)
-        state.radii[:, :, :m1].scatter_add_(2, dest, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
+        state.add_rows_(dest, dk, dv, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
     state.num_rows, state.coverage, state._readout = m1, step.start + state.chunk_len, None
     return dest, app
 

@@ -71,7 +71,8 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
     Args:
         rows_hat: ``[B, Hkv, m, D]`` LN_s of the current state keys.
         sel: ``[B, Hkv, C, D]`` memory keys k_bar of the overflow tokens (ungated).
-        append_keys_hat: ``[B, Hkv, C, D]`` LN_s of the key each token would get as a new row.
+        append_keys_hat: ``[B, Hkv, C, D]`` LN_s of the key each token would get as a new row (read only when
+            the block both appends and merges; None when ``n_append <= 0``).
         n_append: tokens to append (the same for every sequence and head: the schedule is positional).
         sink_len: leading rows that are never merge targets.
         scores: the scoring pass, ``scores(sel, rows_hat, s) -> (best, target, novelty)`` (see
