@@ -270,8 +270,9 @@ def format_table(results: Dict[str, Any]) -> str:
     for name, r in results["models"].items():
         lines.append(f"{LABELS.get(name, name):<{name_w}}" + "".join(f"{_recall_cell(e):>{cell_w}}" for e in r["evals"])
                      + f"{r['final_loss']:>7.3f}{r['train_s']:>9.1f}")
-    lines.append(f"(recall: mean (min-max) over seeds {', '.join(str(x) for x in results['seeds'])}; "
-                 "loss and train s: mean per run)")
+    seeds = results["seeds"]
+    over = f"mean (min-max) over seeds {', '.join(str(x) for x in seeds)}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    lines.append(f"(recall: {over}; loss and train s: mean per run)")
     head = f"{'model':<{name_w}}" + "".join(f"{'cache KB@' + str(t):>14}" for t in lengths) + \
         f"{'state rows@' + str(lengths[-1]):>17}{'decode ms/tok':>15}"
     lines += ["", head, "-" * len(head)]

@@ -147,3 +147,15 @@ def test_bad_workers_and_seeds_are_refused(tmp_path, capsys):
         demo.run_demo(tmp_path, settings=tiny_settings(seeds=()))
     with pytest.raises(ValueError, match="workers=2: .*workers=1 with device='cuda'"):
         demo.run_demo(tmp_path, settings=tiny_settings(), device="cuda", workers=2)
+
+
+def test_recall_table_gives_mean_and_range_over_seeds_or_the_one_seed():
+    def run(seed, recall):
+        ev = dict(length=128, recall=recall, cache_bytes=1024, state_rows=[], decode_ms_per_token=1.0)
+        return dict(model="bswa", seed=seed, config={}, params=1, train_s=1.0, final_loss=1.0, evals=[ev])
+
+    for runs, cell, note in [([run(0, 0.5)], " 0.50 ", "(recall: seed 0;"),
+                             ([run(0, 0.2), run(1, 0.8)], " 0.50 (0.20-0.80) ", "(recall: mean (min-max) over seeds 0, 1;")]:
+        res = dict(lengths=[128], seeds=[r["seed"] for r in runs], models=demo.summarize(runs, ["bswa"], [128]))
+        table = demo.format_table(res)
+        assert cell in table and note in table
