@@ -4,14 +4,21 @@ A checkpoint holds everything an exact resume needs: the model and optimiser (fu
 state dicts keyed by parameter name, so a DDP run can resume under FSDP or another world size),
 the step, the data position (``TokenBatches.state_dict()``), the RNG states, elapsed time and the
 run config. Files are written by rank 0 into a temp file in the same folder, fsynced, then
-``os.replace``d: a crash or a signal never leaves a half-written checkpoint behind.
+``os.replace``d: a crash or a signal never leaves a half-written checkpoint behind (the temp files of
+a killed process are removed by the next save and on resume).
+
+Each checkpoint records a CRC32 of its payload (every tensor's bytes, dtype and shape, and every
+other value), which :func:`load_checkpoint` verifies: ``torch.load`` itself reads a corrupted tensor
+region silently. A mismatch is an error naming the file and the previous checkpoint to resume from
+(no silent fallback). Checkpoints written before the checksum existed load unverified.
 """
 from __future__ import annotations
 
 import random
 import re
+import zlib
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,9 +29,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from ..utils.io import atomic_write_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "rng_state",
+           "set_rng_state", "remove_temp_files", "payload_checksum", "CheckpointError"]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+_TEMP = re.compile(r"^\.(step_\d+\.pt|latest)\..+\.tmp$")      # atomic_write's temp names
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read or fails its checksum."""
 
 
 def _is_rank0() -> bool:
@@ -59,13 +72,50 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torc
              "step": step, "rng": rng_state(), **extra}
     if not _is_rank0():
         return None
+    state["checksum"] = payload_checksum(state)
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / f"step_{step:08d}.pt"
     atomic_write_file(path, lambda f: torch.save(state, f))
     atomic_write_file(ckpt_dir / "latest", lambda f: f.write(path.name.encode() + b"\n"))
     for old in sorted(p for p in ckpt_dir.iterdir() if _NAME.match(p.name))[:-keep]:
         old.unlink()
+    remove_temp_files(ckpt_dir)
     return path
+
+
+def remove_temp_files(ckpt_dir: Path) -> None:
+    """Delete the temp files a process killed while writing a checkpoint left behind (the only writer
+    of ``ckpt_dir`` calls this, so none of them is in use)."""
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.is_dir():
+        for p in ckpt_dir.iterdir():
+            if _TEMP.match(p.name):
+                p.unlink(missing_ok=True)
+
+
+def _leaves(value: Any, key: str = "") -> Iterator[Tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{key}/{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{key}/{i}")
+    else:
+        yield key, value
+
+
+def payload_checksum(state: Dict[str, Any]) -> str:
+    """``"crc32:<hex>"`` over ``state`` (but its ``checksum`` key): each leaf's path, then a tensor's dtype,
+    shape and bytes, or another value's ``repr``."""
+    crc = 0
+    for key, value in _leaves({k: v for k, v in state.items() if k != "checksum"}):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            crc = zlib.crc32(f"{key}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+            crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+        else:
+            crc = zlib.crc32(f"{key}={value!r}".encode(), crc)
+    return f"crc32:{crc:08x}"
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
@@ -81,11 +131,27 @@ def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
 
 
 def load_checkpoint(path: Path) -> Dict[str, Any]:
-    """Read a checkpoint onto the CPU (``weights_only``: plain containers and tensors, no pickled code)."""
+    """Read a checkpoint onto the CPU (``weights_only``: plain containers and tensors, no pickled code)
+    and verify its checksum; a :class:`CheckpointError` names the file and the previous checkpoint."""
+    path = Path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise RuntimeError(f"cannot read checkpoint {path}: {e}") from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"cannot read checkpoint {path} ({first}); {_previous_hint(path)}") from e
+    saved = state.pop("checksum", None)          # None: written before checkpoints had one
+    if saved is not None and saved != payload_checksum(state):
+        raise CheckpointError(f"checkpoint {path} is corrupted (its checksum {saved} does not match its "
+                              f"contents); {_previous_hint(path)}")
+    return state
+
+
+def _previous_hint(path: Path) -> str:
+    earlier = sorted(p for p in path.parent.glob("step_*.pt")
+                     if _NAME.match(p.name) and _NAME.match(path.name) and p.name < path.name)   # zero-padded
+    if earlier:
+        return f"resume from the previous one with --resume {earlier[-1]}"
+    return "no earlier checkpoint is left next to it; start a new run (another --out)"
 
 
 def restore_checkpoint(state: Dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

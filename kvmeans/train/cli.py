@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..utils.cli import UsageError, run_main
+from .checkpoint import CheckpointError
 from .config import RUN_PRESETS, ConfigError, parse_overrides, resolve_config
 
 __all__ = ["main"]
@@ -38,8 +40,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit code 0, or 2 with one line on stderr for a config, data or checkpoint mistake."""
+    return run_main("kvmeans train", _main, sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(argv: List[str]) -> int:
     p = _parser()
-    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    args, rest = p.parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
         for key, value in (("path", args.data), ("out", args.out), ("max_steps", args.max_steps)):
@@ -54,7 +61,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         from .loop import train
         train(cfg, resume=args.resume)
-    except ConfigError as e:
-        print(f"kvmeans train: error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, CheckpointError) as e:
+        raise UsageError(str(e)) from None
     return 0

@@ -131,6 +131,10 @@ class RunConfig:
         if (t.max_steps is None) == (t.token_budget is None):
             raise ConfigError("set exactly one of train.max_steps and train.token_budget "
                               f"(got max_steps={t.max_steps}, token_budget={t.token_budget})")
+        for name, value in (("data.batch_size", dt.batch_size), ("data.seq_len", dt.seq_len),
+                            ("data.micro_batch_size", dt.micro_batch_size or 1)):
+            if value < 1:                  # before the divisions below
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.total_steps() < 1:
             raise ConfigError(f"the run has {self.total_steps()} steps; raise train.max_steps or train.token_budget")
         if dt.batch_size % world_size:
@@ -279,15 +283,26 @@ def _yaml_loader(yaml):
 
 
 def _read_file(path: str) -> Dict[str, Any]:
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror})") from None
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError:
             raise ConfigError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use a .json file") from None
-        data = yaml.load(text, Loader=_yaml_loader(yaml)) or {}
+        try:
+            data = yaml.load(text, Loader=_yaml_loader(yaml)) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config {path}: not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data

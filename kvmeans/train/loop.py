@@ -15,12 +15,10 @@ SIGTERM / SIGINT set a flag: the current step finishes, a checkpoint is written 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import KVMModelConfig
-from ..utils.io import atomic_write_file
-from .checkpoint import latest_checkpoint, load_checkpoint, restore_checkpoint, save_checkpoint
+from ..utils.io import atomic_dir, atomic_write_file
+from .checkpoint import latest_checkpoint, load_checkpoint, remove_temp_files, restore_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig
 from .data import TokenBatches, TokenFile
 from .metrics import MetricsLog, Progress
@@ -139,6 +137,8 @@ def open_run(cfg: RunConfig, rt: Runtime, resume: Optional[str]) -> Run:
     """Create or resume the run: data, model, optimiser, batches, and the restored state if resuming."""
     cfg.check(rt.world)
     out = Path(cfg.train.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.out={out} is a file; choose a folder (--out DIR)")
     ckpt = _resume_file(out, resume)
     model_cfg = cfg.model.build()
     data_dir = prepare_data(cfg, model_cfg, rt, out)
@@ -151,6 +151,8 @@ def open_run(cfg: RunConfig, rt: Runtime, resume: Optional[str]) -> Run:
     val = TokenBatches(val_file, per_rank, cfg.data.seq_len, cfg.train.seed + 1, rt.rank, rt.world)
     run = Run(cfg, rt, out, model_cfg, data_dir, raw, model, optimizer, batches, val, train_file.eos_id)
     if ckpt is not None:
+        if rt.is_main:
+            remove_temp_files(out / "ckpt")
         state = load_checkpoint(ckpt)
         _check_same_model(state, cfg, ckpt)
         restore_checkpoint(state, raw, optimizer)
@@ -217,29 +219,19 @@ def _git_commit() -> Optional[str]:
 def export_final(run: Run) -> Optional[Path]:
     """OUT/final/: the model in Hugging Face layout plus the data's tokenizer (collective; rank 0 writes).
 
-    Written into a temp folder and renamed into place; without ``transformers`` a plain
-    ``model.pt`` + ``kvm_config.json`` is written instead.
+    Written into a temp folder and renamed into place (:func:`~kvmeans.utils.io.atomic_dir`); without
+    ``transformers`` a plain ``model.pt`` + ``kvm_config.json`` is written instead.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     sd = get_model_state_dict(run.raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not run.rt.is_main:
         return None
-    tmp = Path(tempfile.mkdtemp(prefix=".final.", dir=run.out))
-    try:
+    final = run.out / "final"
+    with atomic_dir(final) as tmp:
         _write_model(tmp, sd, run.model_cfg, run.eos_id)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (run.data_dir / name).is_file():
                 shutil.copy2(run.data_dir / name, tmp / name)
-        final = run.out / "final"
-        old = run.out / ".final.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

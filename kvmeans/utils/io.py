@@ -1,12 +1,24 @@
-"""Atomic file writes: readers never see a half-written checkpoint, token file or result."""
+"""Atomic file and folder writes: readers never see a half-written checkpoint, model, token file or result.
+
+The temp files and folders (``mkstemp`` / ``mkdtemp``: 0600 / 0700) get the ordinary permissions of
+the umask (typically 0644 / 0755) before they are renamed into place.
+"""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, TypeVar, Union
+from typing import Callable, Iterator, TypeVar, Union
 
 R = TypeVar("R")
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def atomic_write(path: Union[str, os.PathLike], write: Callable[[str], R]) -> R:
@@ -26,9 +38,7 @@ def atomic_write(path: Union[str, os.PathLike], write: Callable[[str], R]) -> R:
             os.fsync(fd)
         finally:
             os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes 0600; give the file ordinary permissions
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -50,3 +60,31 @@ def atomic_write_file(path: Union[str, os.PathLike], write: Callable) -> None:
         with open(tmp, "wb") as f:
             write(f)
     atomic_write(path, to_file)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Union[str, os.PathLike]) -> Iterator[Path]:
+    """Yield a temp folder next to ``path`` to fill; on success it replaces ``path`` (a folder, if any).
+
+    The folder and everything in it get the umask's permissions (writers such as ``save_pretrained``
+    also go through private temp files). On any error the temp folder is removed and ``path`` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    old = path.parent / f".{path.name}.old"
+    try:
+        yield tmp
+        umask = _umask()
+        for root, dirs, files in os.walk(tmp):
+            os.chmod(root, 0o777 & ~umask)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
