@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .utils.cli import run_subcommand
+from .utils.cli import UsageError, check_device, check_out_dir, run_main, run_subcommand
 
 
 def _bench(argv: List[str]) -> int:
@@ -30,9 +31,23 @@ def _need_hf(cmd: str, extra: str = "hf") -> bool:
 
 
 def _load_tokenizer(model_dir: str):
-    """The tokenizer saved next to the model (see :func:`kvmeans.train.tokenizers.model_tokenizer`)."""
+    """The tokenizer saved next to the model (see :func:`kvmeans.train.tokenizers.model_tokenizer`);
+    a :class:`UsageError` naming ``--model`` when there is none."""
     from .train.tokenizers import model_tokenizer
-    return model_tokenizer(model_dir)
+    try:
+        return model_tokenizer(model_dir)
+    except FileNotFoundError:
+        raise UsageError(f"--model {model_dir}: no tokenizer in the folder (tokenizer.json or tokenizer_config.json); "
+                         "save the tokenizer with the model (kvmeans train writes it into OUT/final)") from None
+
+
+def check_model_dir(model_dir: str) -> None:
+    """A :class:`UsageError` naming ``--model`` unless ``model_dir`` is a folder with a config.json."""
+    if not os.path.isdir(model_dir):
+        raise UsageError(f"--model {model_dir}: not a directory; give the folder of a saved model")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise UsageError(f"--model {model_dir}: no config.json in it; give the folder of a saved model "
+                         "(e.g. OUT/final of kvmeans train)")
 
 
 def _generate(argv: List[str]) -> int:
@@ -50,6 +65,8 @@ def _generate(argv: List[str]) -> int:
     a = p.parse_args(argv)
     if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         p.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    check_model_dir(a.model)
+    device = check_device("--device", a.device)
     if not _need_hf("generate"):
         return 2
     import time
@@ -64,8 +81,8 @@ def _generate(argv: List[str]) -> int:
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
-    model = KVMForCausalLM.from_pretrained(a.model, dtype=dtype).to(a.device).eval()
-    ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(a.device)
+    model = KVMForCausalLM.from_pretrained(a.model, dtype=dtype).to(device).eval()
+    ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         p.error("the prompt encodes to no tokens")
     stamps: List[float] = []
@@ -111,6 +128,9 @@ def _convert(argv: List[str]) -> int:
                         "bf16 rounding points), 'exact' (kvmeans' default numerics) or 'mixed' (exact with "
                         "half-precision attention dots)")
     a = p.parse_args(argv)
+    if not os.path.isdir(a.src):
+        raise UsageError(f"SRC {a.src}: not a directory; give the authors' checkpoint folder")
+    check_out_dir("DST", a.dst)
     try:
         import safetensors  # noqa: F401
     except ImportError:
@@ -120,8 +140,7 @@ def _convert(argv: List[str]) -> int:
     try:
         config = convert_reference_checkpoint(a.src, a.dst, numerics=a.numerics)
     except (ValueError, FileNotFoundError) as err:
-        print(f"kvmeans convert: {err}", file=sys.stderr)
-        return 1
+        raise UsageError(str(err)) from None
     print(f"converted {a.src} -> {a.dst}: {config.num_layers} layers {config.mixer_per_layer()}, "
           f"d={config.hidden_size}, vocab={config.vocab_size}, kvm_numerics={config.kvm_numerics!r}")
     if not a.no_check and _need_hf("convert"):
@@ -174,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"kvmeans: unknown command {argv[0]!r}; run `kvmeans --help`", file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]][1](argv[1:])
+    return run_main(f"kvmeans {argv[0]}", COMMANDS[argv[0]][1], argv[1:])
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def test_prepare_cli_builtin_tokenizer(bpe_cache, tmp_path, monkeypatch, capsys)
     tf = TokenFile(tmp_path / "o" / "val.bin")
     assert tf.header["tokenizer_id"] == "kvmeans-bpe-512" and tf.tokens.dtype == np.uint16 and len(tf) > 0
     assert "train:" in capsys.readouterr().out
-    assert main(["--input", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 1
+    assert main(["--input", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")]) == 2   # a usage error
     assert "missing" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"content": "x"}\n')

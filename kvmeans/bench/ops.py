@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kvmeans.ops.schedule import rows_after
+from kvmeans.utils.cli import UsageError, check_device, check_out_dir, run_main
 
 from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode, resolved_kvm_impl
 from .flops import matmul_rate, useful_flops
@@ -98,25 +99,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.dtype = a.dtype or ("bfloat16" if paper or a.device == "cuda" else "float32")
     a.numerics = a.numerics or ("mixed" if a.dtype in ("bfloat16", "float16") else "exact")
     a.lengths = a.lengths or ([512, 1024, 2048] if quick else CPU_LENGTHS if a.device == "cpu" else CUDA_LENGTHS)
-    a.repeats = a.repeats or (1 if quick else 3)
-    a.decode_steps = a.decode_steps or (16 if quick else 64)
+    a.repeats = (1 if quick else 3) if a.repeats is None else a.repeats
+    a.decode_steps = (16 if quick else 64) if a.decode_steps is None else a.decode_steps
     a.modes = [m for m in MODES if m in a.modes]
-    if min(a.batch, a.heads, a.kv_heads, a.head_dim, a.repeats, a.decode_steps, *a.lengths) < 1:
-        p.error("sizes, lengths, --repeats and --decode-steps must be >= 1")
-    if a.heads % a.kv_heads:
-        p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
-    if a.kvm_impl == "triton":
-        from kvmeans.ops.triton import unavailable_reason
-        why = unavailable_reason(a.device, torch.float32)
-        if why:
-            p.error(f"--kvm-impl triton: {why}")
+    _check_args(a)
     if a.device == "cpu" and a.dtype != "float32":
         print(f"warning: {a.dtype} matmul has no fast path on many CPUs (can be ~100x slower than float32)",
               file=sys.stderr)
     a.out = Path(a.out or f"bench-results/ops-{time.strftime('%Y%m%d-%H%M%S')}")
     return a
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """A :class:`UsageError` naming the first argument out of range."""
+    for flag, value, low in (("--batch", a.batch, 1), ("--heads", a.heads, 1), ("--kv-heads", a.kv_heads, 1),
+                             ("--head-dim", a.head_dim, 1), ("--chunk-len", a.chunk_len, 1),
+                             ("--n-bswa-chunks", a.n_bswa_chunks, 1), ("--sink-len", a.sink_len, 0),
+                             ("--rope-dim", a.rope_dim, 0), ("--repeats", a.repeats, 1),
+                             ("--decode-steps", a.decode_steps, 1), ("--lengths", min(a.lengths), 1),
+                             ("--max-sdpa-len", 1 if a.max_sdpa_len is None else a.max_sdpa_len, 1)):
+        if value < low:
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
+    if a.sink_len >= a.chunk_len:
+        raise UsageError(f"--sink-len {a.sink_len} must be below --chunk-len {a.chunk_len}")
+    if a.rope_dim > a.head_dim:
+        raise UsageError(f"--rope-dim {a.rope_dim} must be at most --head-dim {a.head_dim}")
+    if a.heads % a.kv_heads:
+        raise UsageError(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    check_device("--device", a.device)
+    if a.out is not None:
+        check_out_dir("--out", a.out)
+    if a.kvm_impl == "triton":
+        from kvmeans.ops.triton import unavailable_reason
+        why = unavailable_reason(a.device, torch.float32)
+        if why:
+            raise UsageError(f"--kvm-impl triton: {why}")
 
 
 def _state_memory(a, arm, T, state) -> Dict[str, int]:
@@ -282,4 +299,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("python -m kvmeans.bench.ops", main, None))

@@ -54,6 +54,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from ..models.convert import is_reference_checkpoint, reference_config_to_ours
 from ..models.hf import KVMConfig, KVMForCausalLM
+from ..utils.cli import UsageError, run_main
 
 __all__ = ["KVMLM", "main", "translate_args", "MODEL_NAME"]
 
@@ -207,11 +208,14 @@ def translate_args(argv: Sequence[str]) -> List[str]:
             model_seen = True
             if not eq:
                 if i + 1 >= len(rest):
-                    raise SystemExit("kvmeans eval lm-eval: --model needs a value (kvm, or a model directory)")
+                    raise UsageError("--model needs a value (kvm, or a model directory)")
                 val = rest[i + 1]
                 i += 1
             if os.path.isdir(val):
                 out += ["--model", MODEL_NAME, "--model_args", f"pretrained={val}"]
+            elif "/" in val or os.sep in val or val.startswith((".", "~")) or os.path.exists(val):
+                raise UsageError(f"--model {val}: not a directory; give the folder of a saved KVM model "
+                                 "(or an lm-eval model name such as kvm)")
             else:
                 out += ["--model", val]
         else:
@@ -220,6 +224,22 @@ def translate_args(argv: Sequence[str]) -> List[str]:
     if not model_seen and not any(a in ("-h", "--help") for a in rest):
         out = ["--model", MODEL_NAME] + out
     return ["run"] + out if (head or out) else out
+
+
+def _check_pretrained(args: Sequence[str]) -> None:
+    """A :class:`UsageError` when the ``kvm`` model's ``pretrained=`` is not a folder (before lm-eval starts)."""
+    opts = {}
+    for i, a in enumerate(args):          # the last value of each --name value / --name=value
+        name, eq, val = a.partition("=")
+        if name.startswith("--"):
+            opts[name] = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if opts.get("--model") != MODEL_NAME or opts.get("--model_args", "").lstrip().startswith("{"):
+        return
+    for item in opts.get("--model_args", "").split(","):
+        key, _, val = item.partition("=")
+        if key.strip() == "pretrained" and not os.path.isdir(val.strip()):
+            raise UsageError(f"--model_args pretrained={val.strip()}: not a directory; give the folder of a saved "
+                             "KVM model")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -235,8 +255,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "All other options are lm-eval's: see `kvmeans eval lm-eval run --help`.\n"
               "Note: plain `lm_eval --model kvm` does not work (lm-eval 0.4.x loads no plug-ins).")
         return 0
-    from lm_eval.__main__ import cli_evaluate
     args = translate_args(argv)
+    _check_pretrained(args)
+    from lm_eval.__main__ import cli_evaluate
     saved = sys.argv
     sys.argv = ["lm-eval", *args]
     try:
@@ -252,4 +273,4 @@ if __name__ == "__main__":
     # run through the package module so the registered class is kvmeans.eval.harness.KVMLM (not a
     # second copy defined in __main__)
     from kvmeans.eval.harness import main as _main
-    sys.exit(_main())
+    sys.exit(run_main("python -m kvmeans.eval.harness", _main, None))

@@ -41,6 +41,7 @@ from ..bench.report import format_table, human_bytes, plot_panels, write_csv, wr
 from ..models.config import KVMModelConfig, budget_to_dict
 from ..ops.budget import StateBudget
 from ..ops.schedule import rows_after
+from ..utils.cli import check_device, check_out_dir
 
 __all__ = ["PAPER_BUDGETS", "parse_budget", "schedule_curves", "measure_model", "full_attention_kv_bytes",
            "cache_layers", "main"]
@@ -290,6 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--lengths must be >= 1, got {min(a.lengths)}")
     if a.decode_tokens < 0 or a.batch_size < 1 or a.chunk_len < 1 or a.n_bswa_chunks < 1:
         p.error("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
+    check_device("--device", a.device)
+    check_out_dir("--out", a.out)
     from ..models.config import PRESETS
     for kind, name in sources:
         if kind == "preset" and name not in PRESETS:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write_text
 from . import ruler
 
@@ -244,7 +245,12 @@ def main(argv: List[str]) -> int:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
     except ValueError as err:
         p.error(str(err))
-    from ..cli import _load_tokenizer, _need_hf
+    from ..cli import _load_tokenizer, _need_hf, check_model_dir
+    check_model_dir(a.model)
+    if a.device is not None:
+        check_device("--device", a.device)
+    if a.out is not None:
+        check_out_dir("--out", a.out)
     if not _need_hf("eval niah", extra="eval"):
         return 2
     import torch
@@ -252,9 +258,6 @@ def main(argv: List[str]) -> int:
 
     from ..models.hf import KVMForCausalLM
 
-    if not os.path.isdir(a.model):
-        print(f"{prog}: --model {a.model}: not a directory", file=sys.stderr)
-        return 2
     try:
         tok = _load_tokenizer(a.model)
         hay = _haystack_for(a.tasks, a.haystack_file)

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..bench.report import write_csv
 from ..train.data import TokenFile
+from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write, atomic_write_text
 
 __all__ = ["document_spans", "open_token_data", "per_position_nll", "block_stats", "evaluate_models",
@@ -302,6 +303,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--max-docs must be >= 1, got {a.max_docs}")
     if a.label is not None and len(a.label) != len(a.model):
         p.error(f"give one --label per --model ({len(a.model)} models, {len(a.label)} labels), or none")
+    check_device("--device", a.device)
+    check_out_dir("--out", a.out)
     try:
         tf = open_token_data(a.data, a.split)
         spans, info = document_spans(tf, a.ctx + 1, eos_id=a.eos_id, windows=a.windows, max_docs=a.max_docs)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from ..utils.cli import check_out_dir
 from .data import builtin_documents, token_dtype, write_token_file
 from .tokenizers import eos_token_id, load_tokenizer, save_tokenizer
 
@@ -228,12 +229,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--text-field", default="text", help="JSONL / dataset field holding the text")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split")
     a = p.parse_args(argv)
+    check_out_dir("--out", a.out)
     try:
         prepare_tokens(a.input, a.out, a.tokenizer, packing=a.packing, seq_len=a.seq_len,
                        val_fraction=a.val_fraction, seed=a.seed, text_field=a.text_field, vocab_size=a.vocab_size)
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"kvmeans data prepare: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

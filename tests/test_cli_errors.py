@@ -1,0 +1,114 @@
+"""User mistakes on the `kvmeans` command line: one line `kvmeans <cmd>: error: ...` on stderr, exit code 2,
+no traceback, before any heavy work."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmeans.cli import main as cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fails(argv, capsys, *needles):
+    """Run ``kvmeans argv`` in-process: exit 2 and exactly one stderr line naming the command and ``needles``."""
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    prog = "kvmeans " + " ".join(argv[:2] if argv[0] in ("bench", "eval", "data") else argv[:1])
+    assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1, err
+    assert all(n in err for n in needles), err
+    return err
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    (tmp_path / "bad.json").write_text('{"train": ')
+    (tmp_path / "no_tokenizer").mkdir()
+    (tmp_path / "no_tokenizer" / "config.json").write_text("{}")
+    return tmp_path
+
+
+def test_train_errors(files, capsys):
+    fails(["train", "--data.batch_size", "0"], capsys, "data.batch_size must be >= 1, got 0")
+    fails(["train", "--data.micro_batch_size", "-2"], capsys, "data.micro_batch_size must be >= 1, got -2")
+    fails(["train", "--config", str(files / "missing.yaml")], capsys, "--config", "missing.yaml", "cannot read")
+    fails(["train", "--config", str(files / "bad.yaml")], capsys, "bad.yaml: not valid YAML at line 2")
+    fails(["train", "--config", str(files / "bad.json")], capsys, "bad.json: not valid JSON")
+    fails(["train", "--out", str(files / "a_file"), "--max-steps", "1"], capsys, "a_file is a file")
+    assert (files / "a_file").read_text() == "x"
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--model", "/nonexistent"], ["--model /nonexistent: not a directory"]),
+    (["--model", "{tmp}/a_file"], ["a_file: not a directory"]),
+    (["--model", "{tmp}"], ["no config.json"]),
+    (["--model", "{tmp}/no_tokenizer"], ["no_tokenizer: no tokenizer"]),
+    (["--model", "{tmp}/no_tokenizer", "--device", "nope"], ["--device 'nope' is not a device"]),
+    (["--model", "{tmp}/no_tokenizer", "--device", "cuda:x"], ["--device 'cuda:x' is not a device"]),
+])
+def test_generate_errors(files, capsys, args, needles):
+    fails(["generate", "--prompt", "hi"] + [a.format(tmp=files) for a in args], capsys, *needles)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_machine(files, capsys):
+    fails(["generate", "--prompt", "hi", "--model", str(files / "no_tokenizer"), "--device", "cuda"], capsys,
+          "--device cuda: no cuda device", "use cpu")
+    fails(["bench", "ops", "--device", "cuda"], capsys, "--device cuda: no cuda device")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--chunk-len", "0"], "--chunk-len must be >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
+    (["--sink-len", "64", "--chunk-len", "64"], "--sink-len 64 must be below --chunk-len 64"),
+    (["--rope-dim", "65"], "--rope-dim 65 must be at most --head-dim 64"),
+    (["--lengths", "512", "0"], "--lengths must be >= 1, got 0"),
+])
+def test_bench_ops_errors(capsys, args, needle):
+    fails(["bench", "ops"] + args, capsys, needle)
+
+
+def test_bench_ops_out_file(files, capsys):
+    fails(["bench", "ops", "--out", str(files / "a_file")], capsys, "--out", "a_file is a file")
+
+
+def test_eval_errors(files, capsys):
+    fails(["eval", "niah", "--model", "/nonexistent"], capsys, "--model /nonexistent: not a directory")
+    fails(["eval", "niah", "--model", str(files / "no_tokenizer"), "--device", "nope"], capsys, "--device 'nope'")
+    fails(["eval", "position-loss", "--model", str(files), "--data", str(files / "x.bin"), "--device", "nope"],
+          capsys, "--device 'nope'")
+    fails(["eval", "memory", "--preset", "tiny-cpu", "--device", "nope"], capsys, "--device 'nope'")
+    fails(["eval", "memory", "--preset", "tiny-cpu", "--out", str(files / "a_file")], capsys, "a_file is a file")
+
+
+def test_lm_eval_missing_model(capsys):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    fails(["eval", "lm-eval", "--model", "/nonexistent", "--tasks", "piqa"], capsys,
+          "--model /nonexistent: not a directory")
+    fails(["eval", "lm-eval", "--model", "kvm", "--model_args", "pretrained=/nonexistent", "--tasks", "piqa"],
+          capsys, "pretrained=/nonexistent: not a directory")
+
+
+def test_no_traceback_reaches_stderr(files):
+    """A fresh interpreter, as a user runs it: one line on stderr, exit code 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for argv in (["train", "--config", str(files / "bad.yaml")], ["generate", "--model", "/nonexistent",
+                                                                  "--prompt", "hi"]):
+        p = subprocess.run([sys.executable, "-m", "kvmeans.cli", *argv], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith(f"kvmeans {argv[0]}: error:"), \
+            p.stderr
+
+
+def test_convert_and_data_prepare_errors(files, capsys):
+    fails(["convert", "/nonexistent", str(files / "dst")], capsys, "SRC /nonexistent: not a directory")
+    fails(["convert", str(files / "no_tokenizer"), str(files / "a_file")], capsys, "DST", "a_file is a file")
+    fails(["convert", str(files / "no_tokenizer"), str(files / "dst")], capsys, "lacks required key")
+    fails(["data", "prepare", "--input", "builtin", "--out", str(files / "a_file")], capsys, "a_file is a file")
