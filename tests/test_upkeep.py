@@ -29,3 +29,16 @@ def test_route_overflow_without_appends_needs_no_append_keys():
     dest, appended = route_overflow(rows, sel, None, 0, 1)
     assert not appended.any() and (dest >= 1).all()                   # merged into non-sink rows only
     assert torch.equal(dest, (sel @ rows[..., 1:, :].transpose(-1, -2)).argmax(-1) + 1)
+
+
+def test_first_max_is_max_with_its_tie_rule():
+    """Wide rows take the two-pass path: same maxima and first indices as torch.max, ties, NaN and inf included."""
+    from kvmeans.ops.routing import first_max
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randint(0, 3, (4, 7, 700), generator=g).float(), torch.randn(3, 5, 1000, generator=g),
+              torch.randn(2, 3, 100, generator=g)):
+        M = x.shape[-1]
+        x[0, 0, 511 % M], x[1, 2, 5], x[1, 2, 600 % M], x[-1, -1, -1] = float("nan"), float("nan"), float("nan"), float("inf")
+        best, idx = first_max(x[..., 1:])                              # a column slice, as routing passes it
+        want = x[..., 1:].max(-1)
+        assert torch.equal(best.nan_to_num(), want.values.nan_to_num()) and torch.equal(idx, want.indices)

@@ -57,10 +57,27 @@ def merge_scores(sel: Tensor, rows_hat: Tensor, s: int):
     on ties) and the novelty ``max`` over all rows, sinks included."""
     logits = sel @ rows_hat.transpose(-1, -2)                  # k_bar_j . LN_s(s_i)   [..., N, M]
     cand = logits[..., s:]                                      # merge candidates: non-sink rows
-    best, target = cand.max(-1)                                 # first max wins (documented, as argmax)
+    best, target = first_max(cand)
     target = target + s
     novelty = torch.maximum(best, logits[..., :s].amax(-1)) if s else best
     return best, target, novelty
+
+
+def first_max(x: Tensor, block: int = 64):
+    """``x.max(-1)``: the maxima and the first index holding each (torch.max's documented tie rule, NaN first as
+    there). Rows of ``8 * block`` or more go in two passes, the maxima of blocks of ``block`` (a vectorised
+    reduction) then the first max inside the first block that holds it: ~2x faster on CPU at 1-2K rows, where
+    ``max(-1)``, one element per ns, cost as much as the scoring matmul."""
+    M = x.shape[-1]
+    if M < 8 * block:
+        return x.max(-1)
+    full = M // block * block
+    peaks = x[..., :full].unflatten(-1, (-1, block)).amax(-1)
+    if full < M:
+        peaks = torch.cat([peaks, x[..., full:].amax(-1, keepdim=True)], -1)
+    best, b = peaks.max(-1)
+    cols = (b.unsqueeze(-1) * block + torch.arange(block, device=x.device)).clamp_max_(M - 1)
+    return best, b * block + x.gather(-1, cols).argmax(-1)
 
 
 @torch.no_grad()
