@@ -23,8 +23,9 @@ an empty ``DynamicCache`` for one). Greedy, sampling, beam search (cache reorder
 Padding: the ``attention_mask`` marks pads, which are stripped per row (KVM depends on absolute
 positions: chunk boundaries, sinks); each row's real tokens are numbered from 0, so a left-padded
 batch gives each sequence the logits it has alone (``position_ids`` / ``cache_position`` are
-accepted and ignored). Pad positions get zero logits. Assisted decoding (needs ``crop``) and
-``inputs_embeds`` are not supported.
+accepted and ignored). Pad positions get zero logits. Assisted and prompt-lookup decoding
+(``assistant_model=``, ``prompt_lookup_num_tokens=``; batch 1) roll the cache back with
+:meth:`KVMCache.crop <kvmeans.models.hf_cache.KVMCache.crop>`. ``inputs_embeds`` is not supported.
 """
 from __future__ import annotations
 
@@ -106,7 +107,6 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
-    _is_stateful = True                # no assisted decoding: a KVM state cannot be rolled back
     _supports_cache_class = True
     supports_gradient_checkpointing = True     # per Block (see transformer.Block), as the training CLI does
 
@@ -125,6 +125,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache:
             model_kwargs["past_key_values"] = KVMCache(self.layer_types())
+            if getattr(generation_config, "is_assistant", False):   # its drafts get rolled back
+                model_kwargs["past_key_values"].activate_past_recording()
 
     def _init_weights(self, module):
         """No-op: every module initialises itself in its constructor (the paper's scheme);

@@ -15,8 +15,17 @@ left-padded prompt batch therefore decodes as one group per distinct prompt leng
 length stay batched). Groups are never merged back.
 
 Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` gather rows
-(and so every layer's state) across groups. ``crop`` cannot roll a compressed state back and raises
-``NotImplementedError`` (assisted / speculative decoding are unsupported; the model is ``_is_stateful``).
+(and so every layer's state) across groups.
+
+Rollback (assisted and prompt-lookup decoding). A KVM state cannot be un-merged, so ``crop`` restores a
+snapshot instead: after ``activate_past_recording()`` (``generate`` calls it for assisted decoding, on
+both caches) the first call after a ``crop`` (or after activation) clones the state first
+(:attr:`KVMCache.snapshot_nbytes`: the size of the cache), then the input ids of every call are kept.
+``crop`` to any length at least the snapshot's restores it, and the kept ids up to that length are
+replayed, in one batched call, at the start of the next call: every mixer (kvm, full, swa, bswa, ovq)
+rolls back exactly (to the state that was fed the kept tokens in one call). A crop that removes nothing
+commits (the next call snapshots afresh). Cropping further back, or without recording, raises
+``ValueError``. Cost per rejected draft: one clone of the cache and a replay of the accepted tokens.
 
 The cache that ``generate(num_beams=k, return_dict_in_generate=True)`` returns holds ``batch * k`` rows:
 the beams beam search was running (in its order), each without its last token. They need not include
@@ -53,6 +62,16 @@ def format_bytes(n: int) -> str:
 class _Group:
     rows: Tensor                    # [G] long, batch rows (ascending) sharing one state
     cache: Optional[ModelCache]     # batched over those rows; None before their first real token
+
+
+@dataclass
+class _Snapshot:
+    """The cache before the calls since the last crop, and those calls' input ids (for ``crop``)."""
+    columns: int
+    lengths: Optional[Tensor]
+    groups: List[_Group]            # cloned states
+    ids: List[Tensor]               # [B, T] per call since
+    masks: List[Tensor]             # [B, T] per call since (1 = token, 0 = pad)
 
 
 class KVMCacheLayer(CacheLayerMixin):
@@ -117,6 +136,9 @@ class KVMCache(Cache):
         self.groups: List[_Group] = []
         self.columns = 0
         self.lengths: Optional[Tensor] = None
+        self.record_past = False
+        self._snapshot: Optional[_Snapshot] = None
+        self._pending: Optional[Tuple[Tensor, Tensor]] = None   # ids, mask [B, n] kept by crop, fed first
 
     def bind(self, mixers: List[str]) -> "KVMCache":
         """Give a cache built without layer info (``KVMCache()``) its per-layer views; check others."""
@@ -138,9 +160,25 @@ class KVMCache(Cache):
         Returns:
             ``hidden [B, T, d]``, zeros at pad positions; None when every new column is a pad.
         """
-        B, T = input_ids.shape
         if mask is not None and bool(mask.all()):
             mask = None
+        if self._pending is not None:
+            (ids, held), self._pending = self._pending, None
+            self._run(backbone, ids, None if bool(held.all()) else held)
+        if self.record_past:
+            self._record(input_ids, mask)
+        return self._run(backbone, input_ids, mask)
+
+    def _record(self, input_ids: Tensor, mask: Optional[Tensor]) -> None:
+        snap = self._snapshot
+        if snap is None:
+            snap = self._snapshot = _Snapshot(self.columns, self.lengths, [
+                _Group(g.rows, None if g.cache is None else g.cache.clone()) for g in self.groups], [], [])
+        snap.ids.append(input_ids.clone())
+        snap.masks.append(torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool())
+
+    def _run(self, backbone: Backbone, input_ids: Tensor, mask: Optional[Tensor]) -> Optional[Tensor]:
+        B, T = input_ids.shape
         if self.lengths is None:
             self.groups = [_Group(torch.arange(B), None)]
             self.lengths = torch.zeros(B, dtype=torch.long)
@@ -191,12 +229,13 @@ class KVMCache(Cache):
 
     # ---- transformers Cache API ----------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns consumed so far (pads included); see :attr:`lengths` for real tokens per row."""
-        return self.columns
+        """Columns consumed so far (pads included, and ids a crop kept for replay); see :attr:`lengths`
+        for real tokens per row in the states."""
+        return self.columns + (0 if self._pending is None else self._pending[0].shape[1])
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> Tuple[int, int]:
         q = query_length.shape[0] if isinstance(query_length, Tensor) else int(query_length)
-        return self.columns + q, 0
+        return self.get_seq_length() + q, 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return -1
@@ -213,18 +252,50 @@ class KVMCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
+
+    @property
+    def snapshot_nbytes(self) -> int:
+        """Bytes of the snapshot held for ``crop`` (0 when none)."""
+        snap = self._snapshot
+        return 0 if snap is None else sum(g.cache.nbytes for g in snap.groups if g.cache is not None)
+
+    def activate_past_recording(self) -> None:
+        """Keep what ``crop`` needs from the next call on (see the module docstring)."""
+        self.record_past = True
 
     def reset(self) -> None:
         """Forget every sequence (the next call starts new ones at position 0)."""
         self.groups, self.columns, self.lengths = [], 0, None
+        self._snapshot = self._pending = None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
+    def crop(self, max_length: int) -> None:
+        """Drop the last columns: ``max_length > 0`` keeps that many, ``<= 0`` removes ``-max_length``
+        (transformers 5.2x's convention). Rolls back to any length at least the one before the first
+        call since the last crop (see the module docstring)."""
+        total = self.get_seq_length()
+        keep = min(max_length, total) if max_length > 0 else total + max_length
+        snap = self._snapshot
+        if keep == total:                               # nothing removed: commit, snapshot afresh next call
+            self._snapshot = None
             return
-        raise NotImplementedError(
-            "KVMCache cannot be cropped: KVM states merge tokens irreversibly (and window caches drop them), so "
-            "generation modes that roll the cache back (assisted / speculative decoding) are not supported")
+        if keep >= self.columns:                        # only ids not fed yet are dropped
+            n = keep - self.columns
+            self._pending = tuple(t[:, :n] for t in self._pending) if n else None
+            return
+        if not self.record_past:
+            why = "past recording is off: call cache.activate_past_recording() before the calls to undo"
+        elif snap is None or keep < snap.columns:
+            why = (f"it can restore {self.columns if snap is None else snap.columns} columns at the least (the "
+                   "length before the first call since the last crop); crop after each rejected draft")
+        else:
+            why = None
+        if why is not None:
+            raise ValueError(f"KVMCache.crop({max_length}): cannot roll {total} columns back to {keep}: {why}")
+        n = keep - snap.columns
+        self.groups, self.columns, self.lengths = snap.groups, snap.columns, snap.lengths
+        self._pending = (torch.cat(snap.ids, 1)[:, :n], torch.cat(snap.masks, 1)[:, :n]) if n else None
+        self._snapshot = None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         """Beam search: row ``j`` becomes old row ``beam_idx[j]`` in every layer's state."""
@@ -245,7 +316,7 @@ class KVMCache(Cache):
                              f"got {src.tolist()}" + ("; this cache is empty" if self.lengths is None else ""))
         out = KVMCache(self.mixers)
         out.groups = [_Group(g.rows, g.cache) for g in self.groups]
-        out.columns, out.lengths = self.columns, self.lengths
+        out.columns, out.lengths, out._pending = self.columns, self.lengths, self._pending
         out._gather(src, copy=True)
         return out
 
@@ -254,6 +325,9 @@ class KVMCache(Cache):
         if self.lengths is None:
             return
         src = torch.as_tensor(src, dtype=torch.long).cpu()
+        self._snapshot = None                           # rows changed: crop can undo only later calls
+        if self._pending is not None:
+            self._pending = tuple(t[src.to(t.device)] for t in self._pending)
         if len(self.groups) == 1 and self._in_order(self.groups[0]):     # common case: one batched state
             g = self.groups[0]
             if g.cache is not None:

@@ -1,0 +1,131 @@
+"""Assisted and prompt-lookup decoding: KVMCache.crop rolls every mixer back, so both modes return the
+greedy tokens; crop then continue equals never having gone past."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from test_hf import ARCHS, GREEDY, prompts, tiny  # noqa: E402
+
+from kvmeans.models.hf_cache import KVMCache  # noqa: E402
+
+C = 4                                   # chunk_len: every verification of >= 4 tokens crosses a boundary
+SMALL = dict(chunk_len=C, ovq_chunk_len=C, swa_window=6)
+
+
+def model(arch="kvm", seed=0, **kw):
+    return tiny(arch, seed=seed, **SMALL, **kw)
+
+
+def greedy(m, ids, n):
+    return m.generate(ids, max_new_tokens=n, **GREEDY)
+
+
+def count_rollbacks(monkeypatch):
+    """Spy on KVMCache.crop: a list of (columns before, columns after) of crops that removed tokens."""
+    seen, crop = [], KVMCache.crop
+
+    def spy(self, max_length):
+        before = self.get_seq_length()
+        crop(self, max_length)
+        if self.get_seq_length() < before:
+            seen.append((before, self.get_seq_length()))
+    monkeypatch.setattr(KVMCache, "crop", spy)
+    return seen
+
+
+def draft_tokens(m, n):
+    m.generation_config.num_assistant_tokens = n
+    m.generation_config.num_assistant_tokens_schedule = "constant"
+    return m
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_assisted_with_same_weights_draft_equals_greedy(arch, monkeypatch):
+    m, ids = model(arch), prompts([7])[0][None]
+    want = greedy(m, ids, 18)
+    draft = draft_tokens(model(arch), 5)             # same weights, a separate cache
+    assert torch.equal(m.generate(ids, max_new_tokens=18, assistant_model=draft, **GREEDY), want)
+
+
+@pytest.mark.parametrize("arch", ["kvm", "kvm+swa", "ovq+swa"])
+def test_assisted_with_different_draft_rolls_back_across_boundaries_and_equals_greedy(arch, monkeypatch):
+    m, ids = model(arch), prompts([9], seed=3)[0][None]
+    want = greedy(m, ids, 24)
+    draft = draft_tokens(model(arch, seed=7, num_layers=2), 5)
+    rollbacks = count_rollbacks(monkeypatch)
+    out = m.generate(ids, max_new_tokens=24, assistant_model=draft, **GREEDY)
+    assert torch.equal(out, want)
+    # rejected drafts were undone in both caches, some across a chunk boundary (columns // C differ)
+    assert any(a // C != b // C for a, b in rollbacks), rollbacks
+
+
+@pytest.mark.parametrize("arch", ["kvm", "bswa", "ovq+swa"])
+def test_prompt_lookup_on_repetitive_text_equals_greedy(arch, monkeypatch):
+    m = model(arch)
+    ids = torch.arange(1, 8).repeat(3)[None]                   # 21 tokens: a phrase three times
+    want = greedy(m, ids, 20)
+    rollbacks = count_rollbacks(monkeypatch)
+    out = m.generate(ids, max_new_tokens=20, prompt_lookup_num_tokens=5, **GREEDY)
+    assert torch.equal(out, want)
+    assert rollbacks                                           # some lookups were wrong and undone
+
+
+def logits(m, ids, cache):
+    with torch.no_grad():
+        return m(ids, past_key_values=cache).logits
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("how", ["remove", "max_length"])
+def test_crop_then_continue_equals_never_having_gone_past(arch, how):
+    m = model(arch)
+    prompt, x, y = prompts([6, 7, 5], seed=4)
+    ref = KVMCache()
+    for part in (prompt, x[:2], y):                            # the kept prefix of x as its own call
+        want = logits(m, part[None], ref)
+    cache = KVMCache()
+    cache.activate_past_recording()
+    logits(m, prompt[None], cache)
+    cache.crop(0)                                              # commit the prompt
+    logits(m, x[None], cache)                                  # columns 6..13: crosses 8 and 12
+    cache.crop(-5 if how == "remove" else 8)
+    assert cache.get_seq_length() == 8
+    assert torch.equal(logits(m, y[None], cache), want)
+    assert cache.get_seq_length() == ref.get_seq_length() == 13
+
+
+def test_crop_over_several_calls_and_twice_before_continuing():
+    m = model("kvm+swa")
+    seq = prompts([20], seed=5)[0]
+    ref = KVMCache()
+    for a, b in ((0, 5), (5, 7), (7, 14)):                     # the kept ids 5, 6 are replayed as one call
+        want = logits(m, seq[None, a:b], ref)
+    cache = KVMCache()
+    cache.activate_past_recording()
+    logits(m, seq[None, :5], cache)
+    cache.crop(0)
+    for t in range(5, 11):                                     # six one-token calls (the draft's pattern)
+        logits(m, seq[None, t:t + 1], cache)
+    cache.crop(9)
+    cache.crop(-2)                                             # cuts ids not replayed yet
+    assert cache.get_seq_length() == 7 and cache.snapshot_nbytes == 0
+    assert torch.equal(logits(m, seq[None, 7:14], cache), want)
+    assert cache.snapshot_nbytes > 0                           # the state before that call, for the next crop
+
+
+def test_crop_refuses_what_it_cannot_restore():
+    m = model("kvm")
+    ids = prompts([10])[0][None]
+    plain = m(ids).past_key_values
+    plain.crop(0)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        plain.crop(-1)
+    cache = KVMCache()
+    cache.activate_past_recording()
+    logits(m, ids[:, :6], cache)
+    cache.crop(0)
+    logits(m, ids[:, 6:], cache)
+    with pytest.raises(ValueError, match="restore 6 columns at the least"):
+        cache.crop(5)
+    cache.crop(6)
+    assert cache.get_seq_length() == 6
