@@ -96,6 +96,14 @@ def test_lm_eval_missing_model(capsys):
           capsys, "pretrained=/nonexistent: not a directory")
 
 
+def test_lm_eval_arguments_are_checked_before_lm_eval_is_imported():
+    code = ("import sys; from kvmeans.cli import main; "
+            "rc = main(['eval', 'lm-eval', '--model', '/nonexistent']); print(rc, 'lm_eval' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert p.stdout.split() == ["2", "False"], p.stderr[-2000:]
+
+
 def test_no_traceback_reaches_stderr(files):
     """A fresh interpreter, as a user runs it: one line on stderr, exit code 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -11,7 +11,7 @@ TASKS: Dict[str, Tuple[str, str]] = {
              "`kvmeans eval niah --model DIR --lengths 4096 8192`"),
     "position-loss": ("kvmeans.eval.position_loss", "mean loss per position block over long documents, several "
                       "models in one plot: `kvmeans eval position-loss --model DIR --data TOKENS`"),
-    "lm-eval": ("kvmeans.eval.harness", "run lm-evaluation-harness tasks with the registered `kvm` model: "
+    "lm-eval": ("kvmeans.eval.lm_eval_cli", "run lm-evaluation-harness tasks with the registered `kvm` model: "
                 "`kvmeans eval lm-eval --model DIR --tasks ...`"),
     "memory": ("kvmeans.eval.memory", "state rows, cache bytes, prefill time and decode speed vs length: "
                "`kvmeans eval memory --model DIR --lengths ...`"),

@@ -9,7 +9,8 @@ Importing this module registers ``kvm`` with ``lm_eval.api.registry``. Three way
 ``kvmeans eval lm-eval`` and ``python -m kvmeans.eval.harness`` take lm-eval's own command line
 (``lm-eval run`` options: ``--tasks``, ``--include_path``, ``--limit``, ``--output_path``, ...) and
 call lm-eval's CLI after the registration; ``--model DIR`` (a directory) is shorthand for
-``--model kvm --model_args pretrained=DIR``, and ``--model`` defaults to ``kvm``.
+``--model kvm --model_args pretrained=DIR``, and ``--model`` defaults to ``kvm``
+(:mod:`kvmeans.eval.lm_eval_cli`, which checks the arguments before importing lm-eval).
 
 The plain ``lm_eval --model kvm`` command does **not** work: lm-eval 0.4.x (checked: 0.4.13) only
 knows the models listed in its own ``lm_eval/models/__init__.py`` and imports no installed plug-ins
@@ -40,7 +41,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 
@@ -54,11 +55,10 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from ..models.convert import is_reference_checkpoint, reference_config_to_ours
 from ..models.hf import KVMConfig, KVMForCausalLM
-from ..utils.cli import UsageError, run_main
+from ..utils.cli import run_main
+from .lm_eval_cli import MODEL_NAME, main, translate_args
 
 __all__ = ["KVMLM", "main", "translate_args", "MODEL_NAME"]
-
-MODEL_NAME = "kvm"
 log = logging.getLogger(__name__)
 
 
@@ -184,89 +184,6 @@ def _register() -> None:
 
 if __name__ != "__main__":       # under `python -m`, the package module (imported below) registers
     _register()
-
-
-# ------------------------------------------------------------------------------------------- CLI
-_SUBCOMMANDS = ("run", "ls", "validate")
-
-
-def translate_args(argv: Sequence[str]) -> List[str]:
-    """lm-eval arguments with kvmeans' conveniences: ``--model DIR`` -> ``--model kvm --model_args
-    pretrained=DIR``; no ``--model`` -> ``--model kvm``; ``ls`` / ``validate`` pass through."""
-    argv = list(argv)
-    if argv and argv[0] in ("ls", "validate"):
-        return argv
-    head = ["run"] if argv and argv[0] == "run" else []
-    rest = argv[len(head):]
-    out: List[str] = []
-    model_seen = False
-    i = 0
-    while i < len(rest):
-        a = rest[i]
-        name, eq, val = a.partition("=")
-        if name in ("--model", "-M"):
-            model_seen = True
-            if not eq:
-                if i + 1 >= len(rest):
-                    raise UsageError("--model needs a value (kvm, or a model directory)")
-                val = rest[i + 1]
-                i += 1
-            if os.path.isdir(val):
-                out += ["--model", MODEL_NAME, "--model_args", f"pretrained={val}"]
-            elif "/" in val or os.sep in val or val.startswith((".", "~")) or os.path.exists(val):
-                raise UsageError(f"--model {val}: not a directory; give the folder of a saved KVM model "
-                                 "(or an lm-eval model name such as kvm)")
-            else:
-                out += ["--model", val]
-        else:
-            out.append(a)
-        i += 1
-    if not model_seen and not any(a in ("-h", "--help") for a in rest):
-        out = ["--model", MODEL_NAME] + out
-    return ["run"] + out if (head or out) else out
-
-
-def _check_pretrained(args: Sequence[str]) -> None:
-    """A :class:`UsageError` when the ``kvm`` model's ``pretrained=`` is not a folder (before lm-eval starts)."""
-    opts = {}
-    for i, a in enumerate(args):          # the last value of each --name value / --name=value
-        name, eq, val = a.partition("=")
-        if name.startswith("--"):
-            opts[name] = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-    if opts.get("--model") != MODEL_NAME or opts.get("--model_args", "").lstrip().startswith("{"):
-        return
-    for item in opts.get("--model_args", "").split(","):
-        key, _, val = item.partition("=")
-        if key.strip() == "pretrained" and not os.path.isdir(val.strip()):
-            raise UsageError(f"--model_args pretrained={val.strip()}: not a directory; give the folder of a saved "
-                             "KVM model")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run lm-eval's command line with the ``kvm`` model registered (see the module docstring)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvmeans eval lm-eval [--model DIR | --model kvm --model_args pretrained=DIR,...] "
-              "--tasks T [T ...] [lm-eval run options]\n\n"
-              "Runs lm-evaluation-harness (`lm-eval run`) with the `kvm` model type registered.\n"
-              "  --model DIR        shorthand for --model kvm --model_args pretrained=DIR\n"
-              "  --model_args ...   pretrained=DIR, dtype=float32, tokenizer=PATH, max_length=N, device=cpu\n"
-              "  --include_path P   extra task YAMLs (e.g. local tasks, no download)\n"
-              "All other options are lm-eval's: see `kvmeans eval lm-eval run --help`.\n"
-              "Note: plain `lm_eval --model kvm` does not work (lm-eval 0.4.x loads no plug-ins).")
-        return 0
-    args = translate_args(argv)
-    _check_pretrained(args)
-    from lm_eval.__main__ import cli_evaluate
-    saved = sys.argv
-    sys.argv = ["lm-eval", *args]
-    try:
-        cli_evaluate()
-    except SystemExit as e:     # argparse errors / --help
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    finally:
-        sys.argv = saved
-    return 0
 
 
 if __name__ == "__main__":

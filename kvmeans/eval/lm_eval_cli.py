@@ -1,0 +1,99 @@
+"""``kvmeans eval lm-eval``: lm-eval's command line with the ``kvm`` model registered
+(:mod:`kvmeans.eval.harness`).
+
+Arguments are checked here, before lm-eval, transformers and the model are imported (seconds):
+``--model DIR`` is shorthand for ``--model kvm --model_args pretrained=DIR``, and a ``--model`` or
+``pretrained=`` that names no folder is a one-line error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from ..utils.cli import UsageError
+
+__all__ = ["MODEL_NAME", "main", "translate_args"]
+
+MODEL_NAME = "kvm"
+
+
+def translate_args(argv: Sequence[str]) -> List[str]:
+    """lm-eval arguments with kvmeans' conveniences: ``--model DIR`` -> ``--model kvm --model_args
+    pretrained=DIR``; no ``--model`` -> ``--model kvm``; ``ls`` / ``validate`` pass through."""
+    argv = list(argv)
+    if argv and argv[0] in ("ls", "validate"):
+        return argv
+    head = ["run"] if argv and argv[0] == "run" else []
+    rest = argv[len(head):]
+    out: List[str] = []
+    model_seen = False
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        name, eq, val = a.partition("=")
+        if name in ("--model", "-M"):
+            model_seen = True
+            if not eq:
+                if i + 1 >= len(rest):
+                    raise UsageError("--model needs a value (kvm, or a model directory)")
+                val = rest[i + 1]
+                i += 1
+            if os.path.isdir(val):
+                out += ["--model", MODEL_NAME, "--model_args", f"pretrained={val}"]
+            elif "/" in val or os.sep in val or val.startswith((".", "~")) or os.path.exists(val):
+                raise UsageError(f"--model {val}: not a directory; give the folder of a saved KVM model "
+                                 "(or an lm-eval model name such as kvm)")
+            else:
+                out += ["--model", val]
+        else:
+            out.append(a)
+        i += 1
+    if not model_seen and not any(a in ("-h", "--help") for a in rest):
+        out = ["--model", MODEL_NAME] + out
+    return ["run"] + out if (head or out) else out
+
+
+def _check_pretrained(args: Sequence[str]) -> None:
+    """A :class:`UsageError` when the ``kvm`` model's ``pretrained=`` is not a folder (before lm-eval starts)."""
+    opts = {}
+    for i, a in enumerate(args):          # the last value of each --name value / --name=value
+        name, eq, val = a.partition("=")
+        if name.startswith("--"):
+            opts[name] = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if opts.get("--model") != MODEL_NAME or opts.get("--model_args", "").lstrip().startswith("{"):
+        return
+    for item in opts.get("--model_args", "").split(","):
+        key, _, val = item.partition("=")
+        if key.strip() == "pretrained" and not os.path.isdir(val.strip()):
+            raise UsageError(f"--model_args pretrained={val.strip()}: not a directory; give the folder of a saved "
+                             "KVM model")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run lm-eval's command line with the ``kvm`` model registered (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvmeans eval lm-eval [--model DIR | --model kvm --model_args pretrained=DIR,...] "
+              "--tasks T [T ...] [lm-eval run options]\n\n"
+              "Runs lm-evaluation-harness (`lm-eval run`) with the `kvm` model type registered.\n"
+              "  --model DIR        shorthand for --model kvm --model_args pretrained=DIR\n"
+              "  --model_args ...   pretrained=DIR, dtype=float32, tokenizer=PATH, max_length=N, device=cpu\n"
+              "  --include_path P   extra task YAMLs (e.g. local tasks, no download)\n"
+              "All other options are lm-eval's: see `kvmeans eval lm-eval run --help`.\n"
+              "Note: plain `lm_eval --model kvm` does not work (lm-eval 0.4.x loads no plug-ins).")
+        return 0
+    args = translate_args(argv)
+    _check_pretrained(args)
+    from lm_eval.__main__ import cli_evaluate
+
+    from . import harness  # noqa: F401  (registers the kvm model)
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        cli_evaluate()
+    except SystemExit as e:     # argparse errors / --help
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    finally:
+        sys.argv = saved
+    return 0
