@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from .eval.synthetic import mqar_batch, passkey_batch, recall_accuracy
 from .models import KVMLanguageModel, KVMModelConfig
+from .utils.cli import check_device, check_out_dir, run_main
 from .utils.io import atomic_write
 
 __all__ = ["run_demo", "main", "MODELS", "demo_settings"]
@@ -386,6 +387,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.workers is not None and (args.workers < 1 or (args.workers > 1 and args.device != "cpu")):
         p.error(f"--workers {args.workers}: use --workers >= 1, and --workers 1 with --device {args.device}")
+    check_device("--device", args.device)
+    if args.out is not None:
+        check_out_dir("--out", args.out)
     t0 = time.perf_counter()
     run_demo(args.out, quick=args.quick, device=args.device, seeds=args.seeds, workers=args.workers)
     print(f"total wall time {time.perf_counter() - t0:.1f}s")
@@ -393,4 +397,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main("python -m kvmeans.demo", main, None))

@@ -115,6 +115,12 @@ def test_no_traceback_reaches_stderr(files):
             p.stderr
 
 
+def test_demo_errors(files, capsys):
+    if not torch.cuda.is_available():
+        fails(["demo", "--device", "cuda"], capsys, "--device cuda: no cuda device")
+    fails(["demo", "--out", str(files / "a_file")], capsys, "--out", "a_file is a file")
+
+
 def test_convert_and_data_prepare_errors(files, capsys):
     fails(["convert", "/nonexistent", str(files / "dst")], capsys, "SRC /nonexistent: not a directory")
     fails(["convert", str(files / "no_tokenizer"), str(files / "a_file")], capsys, "DST", "a_file is a file")

@@ -41,7 +41,7 @@ from ..bench.report import format_table, human_bytes, plot_panels, write_csv, wr
 from ..models.config import KVMModelConfig, budget_to_dict
 from ..ops.budget import StateBudget
 from ..ops.schedule import rows_after
-from ..utils.cli import check_device, check_out_dir
+from ..utils.cli import check_device, check_out_dir, run_main
 
 __all__ = ["PAPER_BUDGETS", "parse_budget", "schedule_curves", "measure_model", "full_attention_kv_bytes",
            "cache_layers", "main"]
@@ -360,4 +360,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("kvmeans eval memory", main, None))

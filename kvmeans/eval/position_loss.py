@@ -44,7 +44,7 @@ from torch import Tensor
 
 from ..bench.report import write_csv
 from ..train.data import TokenFile
-from ..utils.cli import check_device, check_out_dir
+from ..utils.cli import check_device, check_out_dir, run_main
 from ..utils.io import atomic_write, atomic_write_text
 
 __all__ = ["document_spans", "open_token_data", "per_position_nll", "block_stats", "evaluate_models",
@@ -351,4 +351,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("kvmeans eval position-loss", main, None))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..utils.cli import check_out_dir
+from ..utils.cli import check_out_dir, run_main
 from .data import builtin_documents, token_dtype, write_token_file
 from .tokenizers import eos_token_id, load_tokenizer, save_tokenizer
 
@@ -240,4 +240,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("kvmeans data prepare", main, None))
