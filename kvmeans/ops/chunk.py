@@ -9,7 +9,9 @@ The state recurrence depends only on k, v and the gate, never on attention outpu
    a scatter into per-chunk increments followed by a cumulative sum over chunks (radii and the
    ablation's row counts are rebuilt the same way);
 3. attend all query chunks of a group to ``[readout(s(c)) ; window(c)]`` in one SDPA call with a
-   boolean mask (rows not yet created and future window tokens hidden).
+   boolean mask (rows not yet created and future window tokens hidden). The no-grad prefill on CPU splits
+   that read for whole chunks: the snapshot, the previous chunks and the own chunk (causal) in three unmasked
+   flash calls on views of the window, joined by their log-sum-exp (:func:`_joined_attention`).
 
 Groups of chunks bound the working memory. Under autograd, small calls keep one graph; large ones
 (and the Triton kernels) use :mod:`kvmeans.ops.chunk_reconstruct`, whose backward rebuilds each

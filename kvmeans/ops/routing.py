@@ -103,8 +103,8 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
     best, target, novelty = scores(sel, rows_hat, s)
     if n_append >= n_tok:
         appended = torch.ones(sel.shape[:-1], dtype=torch.bool, device=sel.device)
-    elif n_append <= 0:
-        appended = torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device)
+    elif n_append <= 0:             # every token merges (a full fixed budget): no ranking, no host sync
+        return target, torch.zeros(sel.shape[:-1], dtype=torch.bool, device=sel.device)
     else:
         # the least redundant tokens (lowest novelty: max over all rows, sinks included) are appended
         order = torch.sort(novelty, dim=-1, stable=True).indices[..., :n_append]
