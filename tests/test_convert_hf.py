@@ -172,6 +172,7 @@ def test_parse_kvm_spec():
         budget=StateBudget.power_law(16, 0.5, min_len=256), layers=[0, 1, 2, 5], rope_mode="split",
         log_count_bias=False)
     assert parse_kvm_spec("budget=96")["budget"] == 96
+    assert KVMSpec().distance == 256 and KVMSpec(rope_distance=7).distance == 7 and KVMSpec(rope_mode="split").distance == 0
     assert KVMSpec(**{k: v for k, v in parse_kvm_spec("budget=saturating:64:8").items()}).budget == \
         StateBudget.saturating(64, 8)
     for bad, msg in [("budget=huge", "budget 'huge'"), ("chunk=4", "chunk=4"), ("sink_len=x", "sink_len"),

@@ -30,7 +30,8 @@ class KVMSpec:
     ``budget``: state rows (``StateBudget`` or int); ``chunk_len``/``n_bswa_chunks``: the exact window
     keeps the current and the n-1 previous chunks; ``sink_len``: leading rows never merged into;
     ``rope_mode``: see ``kvmeans.ops.pretrained``; ``rope_distance``: the relative position at which
-    ``pre_rope_fixed`` reads state rows (None: the window span ``n_bswa_chunks * chunk_len``);
+    ``pre_rope_fixed`` reads state rows (None: twice the window span, ``2 * n_bswa_chunks * chunk_len``,
+    measured better than the span itself on SmolLM2, docs/pretrained.md);
     ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation).
     """
     budget: Union[StateBudget, int] = 128
@@ -50,7 +51,7 @@ class KVMSpec:
         if self.rope_mode not in ROPE_MODES:
             raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
         if self.rope_distance is not None and self.rope_distance < 0:
-            raise ValueError(f"rope_distance must be >= 0 (or None for the window span), got {self.rope_distance}")
+            raise ValueError(f"rope_distance must be >= 0 (or None for twice the window span), got {self.rope_distance}")
 
     @property
     def state_budget(self):
@@ -61,7 +62,7 @@ class KVMSpec:
         """Read distance of ``pre_rope_fixed``; ``split`` is the same read at distance 0."""
         if self.rope_mode == "split":
             return 0
-        return self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
+        return 2 * self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
