@@ -41,6 +41,17 @@ def _load_tokenizer(model_dir: str):
                          "save the tokenizer with the model (kvmeans train writes it into OUT/final)") from None
 
 
+def load_model(model_dir: str, dtype, device):
+    """``KVMForCausalLM`` from ``model_dir`` on ``device`` in eval mode; a :class:`UsageError` naming ``--model``
+    when its files are missing or unreadable (transformers raises ``OSError`` for those)."""
+    from .models.hf import KVMForCausalLM
+    try:
+        model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except OSError as err:
+        raise UsageError(f"--model {model_dir}: {(str(err).strip().splitlines() or ['cannot load it'])[0]}") from None
+    return model.to(device).eval()
+
+
 def check_model_dir(model_dir: str) -> None:
     """A :class:`UsageError` naming ``--model`` unless ``model_dir`` is a folder with a config.json."""
     if not os.path.isdir(model_dir):
@@ -75,13 +86,12 @@ def _generate(argv: List[str]) -> int:
     from transformers import TextStreamer
     from transformers.utils import logging as hf_logging
 
-    from .models.hf import KVMForCausalLM
     from .models.hf_cache import format_bytes
 
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
-    model = KVMForCausalLM.from_pretrained(a.model, dtype=dtype).to(device).eval()
+    model = load_model(a.model, dtype, device)
     ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         p.error("the prompt encodes to no tokens")

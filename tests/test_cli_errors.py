@@ -115,6 +115,18 @@ def test_no_traceback_reaches_stderr(files):
             p.stderr
 
 
+def test_model_folder_without_weights(files, capsys):
+    pytest.importorskip("transformers")
+    from kvmeans.models.hf import KVMConfig
+    from kvmeans.train.tokenizers import gpt2_hf_tokenizer, save_tokenizer
+    d = files / "no_weights"
+    KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2).save_pretrained(d)
+    save_tokenizer(gpt2_hf_tokenizer(), d)
+    fails(["generate", "--prompt", "hi", "--model", str(d)], capsys, f"--model {d}: ", "model.safetensors")
+    fails(["eval", "memory", "--model", str(d), "--lengths", "8"], capsys, f"--model {d}: ", "model.safetensors")
+    fails(["eval", "memory", "--model", str(files)], capsys, "no config.json")
+
+
 def test_demo_errors(files, capsys):
     if not torch.cuda.is_available():
         fails(["demo", "--device", "cuda"], capsys, "--device cuda: no cuda device")

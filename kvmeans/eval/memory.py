@@ -273,9 +273,8 @@ def _load(kind: str, name: str, device: str, dtype: str):
         if dtype not in ("auto", "float32"):
             model = model.to(getattr(torch, dtype))
         return model.to(device).eval()
-    from ..models.hf import KVMForCausalLM
-    return KVMForCausalLM.from_pretrained(name, dtype=dtype if dtype == "auto" else getattr(torch, dtype)) \
-        .to(device).eval()
+    from ..cli import load_model
+    return load_model(name, dtype if dtype == "auto" else getattr(torch, dtype), device)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -293,12 +292,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
     check_device("--device", a.device)
     check_out_dir("--out", a.out)
+    from ..cli import check_model_dir
     from ..models.config import PRESETS
     for kind, name in sources:
         if kind == "preset" and name not in PRESETS:
             p.error(f"--preset {name!r}: unknown; available: {', '.join(sorted(PRESETS))}")
         if kind == "model" and not Path(name).is_dir():
             p.error(f"--model {name}: no such directory")
+        if kind == "model":
+            check_model_dir(name)
     try:
         budgets = dict(parse_budget(s) for s in a.budget) if a.budget else None
     except ValueError as err:

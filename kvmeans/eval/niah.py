@@ -245,7 +245,7 @@ def main(argv: List[str]) -> int:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
     except ValueError as err:
         p.error(str(err))
-    from ..cli import _load_tokenizer, _need_hf, check_model_dir
+    from ..cli import _load_tokenizer, _need_hf, check_model_dir, load_model
     check_model_dir(a.model)
     if a.device is not None:
         check_device("--device", a.device)
@@ -255,8 +255,6 @@ def main(argv: List[str]) -> int:
         return 2
     import torch
     from transformers.utils import logging as hf_logging
-
-    from ..models.hf import KVMForCausalLM
 
     try:
         tok = _load_tokenizer(a.model)
@@ -269,7 +267,7 @@ def main(argv: List[str]) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
     hf_logging.disable_progress_bar()
-    model = KVMForCausalLM.from_pretrained(a.model, dtype=getattr(torch, dtype)).to(device).eval()
+    model = load_model(a.model, getattr(torch, dtype), device)
     results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
                        a.max_new_tokens, progress=not a.no_progress)
     results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype})

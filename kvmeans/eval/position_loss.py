@@ -321,18 +321,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{prog}: --data {tf.path}: {why}. Lower --ctx (e.g. --ctx {max(1, info['longest'] - 1)}), use "
               "longer documents, or --windows to score the stream as windows", file=sys.stderr)
         return 2
+    from ..cli import check_model_dir, load_model
     for d in a.model:
-        if not Path(d).is_dir():
-            print(f"{prog}: --model {d}: no such directory", file=sys.stderr)
-            return 2
-    from ..models.hf import KVMForCausalLM
+        check_model_dir(d)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
     labels = a.label or [Path(d).name or str(d) for d in a.model]
     print(f"{len(spans)} documents of >= {a.ctx + 1} tokens ({info['mode']}; {info['long_enough']} long enough "
           f"of {info['documents']}), ctx {a.ctx}, blocks of {a.block}, segments of {a.segment}")
     results = []
     for label, d in zip(labels, a.model):
-        model = KVMForCausalLM.from_pretrained(d, dtype=dtype).to(a.device).eval()
+        model = load_model(d, dtype, a.device)
         try:
             results += evaluate_models([(label, d, model)], tf, spans, a.ctx, a.block, a.batch_size, a.segment,
                                        a.logits_chunk, a.device)
