@@ -70,9 +70,10 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(arch, monkeypatch):
     assert rollbacks                                           # some lookups were wrong and undone
 
 
-def logits(m, ids, cache):
+def logits(m, ids, cache, keep=0):
+    """``keep``: logits of the last ``keep`` positions only (as a call with ids fed in front returns them)."""
     with torch.no_grad():
-        return m(ids, past_key_values=cache).logits
+        return m(ids, past_key_values=cache, logits_to_keep=keep).logits
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -81,36 +82,56 @@ def test_crop_then_continue_equals_never_having_gone_past(arch, how):
     m = model(arch)
     prompt, x, y = prompts([6, 7, 5], seed=4)
     ref = KVMCache()
-    for part in (prompt, x[:2], y):                            # the kept prefix of x as its own call
-        want = logits(m, part[None], ref)
+    logits(m, prompt[None], ref)
+    want = logits(m, torch.cat((x[:2], y))[None], ref, keep=5)  # the kept ids are fed with the next call
     cache = KVMCache()
-    cache.activate_past_recording()
     logits(m, prompt[None], cache)
-    cache.crop(0)                                              # commit the prompt
+    cache.activate_past_recording()                            # the snapshot is taken at 6 columns
     logits(m, x[None], cache)                                  # columns 6..13: crosses 8 and 12
     cache.crop(-5 if how == "remove" else 8)
-    assert cache.get_seq_length() == 8
+    assert cache.get_seq_length() == 8 and cache.snapshot_nbytes > 0   # kept for the next crop
     assert torch.equal(logits(m, y[None], cache), want)
     assert cache.get_seq_length() == ref.get_seq_length() == 13
+
+
+def fed(m, ids):
+    cache = KVMCache()
+    logits(m, ids[None], cache)
+    return cache
 
 
 def test_crop_over_several_calls_and_twice_before_continuing():
     m = model("kvm+swa")
     seq = prompts([20], seed=5)[0]
-    ref = KVMCache()
-    for a, b in ((0, 5), (5, 7), (7, 14)):                     # the kept ids 5, 6 are replayed as one call
-        want = logits(m, seq[None, a:b], ref)
-    cache = KVMCache()
+    cache = fed(m, seq[:5])
     cache.activate_past_recording()
-    logits(m, seq[None, :5], cache)
-    cache.crop(0)
     for t in range(5, 11):                                     # six one-token calls (the draft's pattern)
         logits(m, seq[None, t:t + 1], cache)
     cache.crop(9)
-    cache.crop(-2)                                             # cuts ids not replayed yet
-    assert cache.get_seq_length() == 7 and cache.snapshot_nbytes == 0
-    assert torch.equal(logits(m, seq[None, 7:14], cache), want)
-    assert cache.snapshot_nbytes > 0                           # the state before that call, for the next crop
+    cache.crop(-2)                                             # cuts ids not fed yet
+    assert cache.get_seq_length() == 7
+    assert torch.equal(logits(m, seq[None, 7:14], cache), logits(m, seq[None, 5:14], fed(m, seq[:5]), keep=7))
+    cache.crop(-3)                                             # the snapshot (5 columns) still serves
+    assert torch.equal(logits(m, seq[None, 11:14], cache), logits(m, seq[None, 5:14], fed(m, seq[:5]), keep=3))
+
+
+def test_long_replays_run_alone_and_move_the_snapshot_up():
+    m = model("kvm")
+    prompt, x, y = prompts([6, 7, 5], seed=4)
+    ref = KVMCache()
+    for part in (prompt, x[:4], y):                            # 4 kept ids > replay_limit: fed alone
+        want = logits(m, part[None], ref)
+    cache = KVMCache()
+    cache.replay_limit = 3
+    logits(m, prompt[None], cache)
+    cache.activate_past_recording()
+    logits(m, x[None], cache)
+    cache.crop(10)
+    assert cache.snapshot_nbytes == 0
+    assert torch.equal(logits(m, y[None], cache), want)
+    assert cache.snapshot_nbytes > 0
+    with pytest.raises(ValueError, match="restore 10 columns at the least"):
+        cache.crop(9)
 
 
 def test_crop_refuses_what_it_cannot_restore():
@@ -120,10 +141,8 @@ def test_crop_refuses_what_it_cannot_restore():
     plain.crop(0)
     with pytest.raises(ValueError, match="activate_past_recording"):
         plain.crop(-1)
-    cache = KVMCache()
+    cache = fed(m, ids[0, :6])
     cache.activate_past_recording()
-    logits(m, ids[:, :6], cache)
-    cache.crop(0)
     logits(m, ids[:, 6:], cache)
     with pytest.raises(ValueError, match="restore 6 columns at the least"):
         cache.crop(5)

@@ -19,13 +19,14 @@ Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_int
 
 Rollback (assisted and prompt-lookup decoding). A KVM state cannot be un-merged, so ``crop`` restores a
 snapshot instead: after ``activate_past_recording()`` (``generate`` calls it for assisted decoding, on
-both caches) the first call after a ``crop`` (or after activation) clones the state first
-(:attr:`KVMCache.snapshot_nbytes`: the size of the cache), then the input ids of every call are kept.
-``crop`` to any length at least the snapshot's restores it, and the kept ids up to that length are
-replayed, in one batched call, at the start of the next call: every mixer (kvm, full, swa, bswa, ovq)
-rolls back exactly (to the state that was fed the kept tokens in one call). A crop that removes nothing
-commits (the next call snapshots afresh). Cropping further back, or without recording, raises
-``ValueError``. Cost per rejected draft: one clone of the cache and a replay of the accepted tokens.
+both caches) a call with no snapshot held clones the state first (:attr:`KVMCache.snapshot_nbytes`: the
+size of the cache), and the input ids of every call since are kept. ``crop`` to any length at least the
+snapshot's restores a copy of it, and the kept ids up to that length are fed again in front of the next
+call's (one backbone run: the state equals one that was fed them with that call): every mixer (kvm,
+full, swa, bswa, ovq) rolls back exactly. Once more than :attr:`KVMCache.replay_limit` ids would be fed
+again, the next call feeds them alone and snapshots afresh (so replays stay short). Cost per rejected
+draft: one copy of the snapshot and the kept ids fed again; cropping before the snapshot, or without
+recording, raises ``ValueError``.
 
 The cache that ``generate(num_beams=k, return_dict_in_generate=True)`` returns holds ``batch * k`` rows:
 the beams beam search was running (in its order), each without its last token. They need not include
@@ -129,6 +130,7 @@ class KVMCache(Cache):
     """
 
     is_compileable = False
+    replay_limit = 32       # most ids fed again in front of a call before the snapshot moves up to them
 
     def __init__(self, mixers: Optional[List[str]] = None):
         self.mixers = list(mixers or [])
@@ -164,7 +166,14 @@ class KVMCache(Cache):
             mask = None
         if self._pending is not None:
             (ids, held), self._pending = self._pending, None
-            self._run(backbone, ids, None if bool(held.all()) else held)
+            if self._snapshot is None:                  # replayed alone; the next lines snapshot after it
+                self._run(backbone, ids, None if bool(held.all()) else held)
+            else:                                       # fed in front of this call (already recorded)
+                self._record(input_ids, mask)
+                new = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+                both = torch.cat((held, new), 1)
+                hidden = self._run(backbone, torch.cat((ids, input_ids), 1), None if bool(both.all()) else both)
+                return None if hidden is None else hidden[:, ids.shape[1]:]
         if self.record_past:
             self._record(input_ids, mask)
         return self._run(backbone, input_ids, mask)
@@ -271,31 +280,37 @@ class KVMCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Drop the last columns: ``max_length > 0`` keeps that many, ``<= 0`` removes ``-max_length``
-        (transformers 5.2x's convention). Rolls back to any length at least the one before the first
-        call since the last crop (see the module docstring)."""
+        (transformers 5.2x's convention). Rolls back to any length at least the snapshot's (see the module
+        docstring)."""
         total = self.get_seq_length()
         keep = min(max_length, total) if max_length > 0 else total + max_length
         snap = self._snapshot
-        if keep == total:                               # nothing removed: commit, snapshot afresh next call
-            self._snapshot = None
-            return
-        if keep >= self.columns:                        # only ids not fed yet are dropped
-            n = keep - self.columns
-            self._pending = tuple(t[:, :n] for t in self._pending) if n else None
+        if keep == total:                               # nothing removed: snapshot afresh if far behind
+            if snap is not None and keep - snap.columns > self.replay_limit:
+                self._snapshot = None
             return
         if not self.record_past:
             why = "past recording is off: call cache.activate_past_recording() before the calls to undo"
         elif snap is None or keep < snap.columns:
             why = (f"it can restore {self.columns if snap is None else snap.columns} columns at the least (the "
-                   "length before the first call since the last crop); crop after each rejected draft")
+                   "length when the snapshot was taken)")
         else:
             why = None
-        if why is not None:
+        if why is not None and keep < self.columns:
             raise ValueError(f"KVMCache.crop({max_length}): cannot roll {total} columns back to {keep}: {why}")
-        n = keep - snap.columns
-        self.groups, self.columns, self.lengths = snap.groups, snap.columns, snap.lengths
-        self._pending = (torch.cat(snap.ids, 1)[:, :n], torch.cat(snap.masks, 1)[:, :n]) if n else None
-        self._snapshot = None
+        if snap is not None:                            # the record now ends where the sequence ends
+            n = keep - snap.columns
+            snap.ids, snap.masks = [torch.cat(snap.ids, 1)[:, :n]], [torch.cat(snap.masks, 1)[:, :n]]
+        if keep >= self.columns:                        # only ids not fed yet are dropped
+            n = keep - self.columns
+            self._pending = tuple(t[:, :n] for t in self._pending) if n else None
+            return
+        if n > self.replay_limit:                       # replay alone next call, then snapshot there
+            self.groups, self._snapshot = snap.groups, None
+        else:
+            self.groups = [_Group(g.rows, None if g.cache is None else g.cache.clone()) for g in snap.groups]
+        self.columns, self.lengths = snap.columns, snap.lengths
+        self._pending = (snap.ids[0], snap.masks[0]) if n else None
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         """Beam search: row ``j`` becomes old row ``beam_idx[j]`` in every layer's state."""
