@@ -95,6 +95,17 @@ def test_overrides_types_and_budget():
         resolve_config(overrides=parse_overrides(["--train.seed", "__import__('os').getpid()"]))
 
 
+def test_budget_override_forms():
+    """--model.budget takes an int (StateBudget.fixed, as the op and KVMConfig do) or a dict of StateBudget fields."""
+    as_int = resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", "48"])).model.build()
+    assert as_int.budget == {"kind": "fixed", "n": 48} and as_int.state_budget()(10_000) == 48
+    spec = "{'kind': 'power_law', 'factor': 2.0, 'exponent': 0.5}"
+    as_dict = resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", spec])).model.build()
+    assert as_dict.state_budget()(10_000) == 200
+    with pytest.raises(ConfigError, match="model.budget"):
+        resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", "True"]))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--train.max_stps", "3"], r"unknown config key train.max_stps; valid keys in 'train': .*max_steps"),
     (["--trian.max_steps", "3"], r"unknown config section 'trian'.*valid sections: model, data, optim, train"),

@@ -187,6 +187,8 @@ def field_type(sec: str, key: str):
 
 
 def _check(sec: str, key: str, value: Any) -> Any:
+    if (sec, key) == ("model", "budget") and isinstance(value, int) and not isinstance(value, bool):
+        value = {"kind": "fixed", "n": value}       # an int budget is StateBudget.fixed, as in the op
     value = _coerce(value, field_type(sec, key), f"{sec}.{key}")
     choices = _CHOICES.get((sec, key))
     if choices and value not in choices:
