@@ -135,6 +135,9 @@ def test_fetch_caches_and_prints_the_folder(registered, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(final)
     assert (final / "model.safetensors").is_file() and (final / "kvmeans_fetch.json").is_file()
     assert len(registered) == 1
+    umask = os.umask(0); os.umask(umask)
+    assert (final.stat().st_mode & 0o777, (final / "model.safetensors").stat().st_mode & 0o777) == \
+        (0o777 & ~umask, 0o666 & ~umask)                              # the umask's, not mkdtemp's 0700 / 0600
     stamp = (final / "model.safetensors").stat().st_mtime_ns
     assert fetch.fetch_model("tiny", tmp_path) == final             # cached: nothing downloaded or rewritten
     assert len(registered) == 1 and (final / "model.safetensors").stat().st_mtime_ns == stamp

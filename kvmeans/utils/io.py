@@ -21,6 +21,15 @@ def _umask() -> int:
     return umask
 
 
+def chmod_tree(folder: Union[str, os.PathLike]) -> None:
+    """Give ``folder`` and everything below it the umask's permissions (private temp files made public)."""
+    umask = _umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
 def atomic_write(path: Union[str, os.PathLike], write: Callable[[str], R]) -> R:
     """Call ``write(tmp_path)`` for a temp file in ``path``'s folder, then ``os.replace`` it over ``path``.
 
@@ -75,11 +84,7 @@ def atomic_dir(path: Union[str, os.PathLike]) -> Iterator[Path]:
     old = path.parent / f".{path.name}.old"
     try:
         yield tmp
-        umask = _umask()
-        for root, dirs, files in os.walk(tmp):
-            os.chmod(root, 0o777 & ~umask)
-            for name in files:
-                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+        chmod_tree(tmp)
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
