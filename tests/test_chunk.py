@@ -264,3 +264,21 @@ def test_no_grad_prefill_without_the_flash_kernel_masks_one_call(monkeypatch):
     with torch.no_grad():
         y, state = run("chunked", inputs, T, C, n, S, budget, r)
     compare((*run("naive", inputs, T, C, n, S, budget, r), NO_GRADS), (y, state, NO_GRADS), 1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numerics", ["exact", "mixed"])
+def test_joined_no_grad_prefill_in_half_precision(dtype, numerics, monkeypatch):
+    """Half inputs through the joined attention (mixed: its flash calls in the input dtype, joined in fp32) agree
+    with the masked call of the grad path within the dtype's tolerance."""
+    T, C, n, S, budget, H, Hkv, r = JOINED[0]
+    joined = []
+    real = chunk_mod._joined_attention
+    monkeypatch.setattr(chunk_mod, "_joined_attention", lambda *a, **k: joined.append(1) or real(*a, **k))
+    inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=dtype, seed=3, requires_grad=True)
+    ref, _ = run("chunked", inputs, T, C, n, S, budget, r, numerics=numerics)      # grad path: one masked call
+    assert not joined
+    with torch.no_grad():
+        y, _ = run("chunked", inputs, T, C, n, S, budget, r, numerics=numerics)
+    assert joined and y.dtype == dtype
+    assert_close("y", ref.float(), y.float(), TOLERANCES[dtype])
