@@ -25,8 +25,9 @@ snapshot's restores a copy of it, and the kept ids up to that length are fed aga
 call's (one backbone run: the state equals one that was fed them with that call): every mixer (kvm,
 full, swa, bswa, ovq) rolls back exactly. Once more than :attr:`KVMCache.replay_limit` ids would be fed
 again, the next call feeds them alone and snapshots afresh (so replays stay short). Cost per rejected
-draft: one copy of the snapshot and the kept ids fed again; cropping before the snapshot, or without
-recording, raises ``ValueError``.
+draft: one copy of the snapshot and the kept ids fed again; ``generate`` sends the prompt with the first
+draft, so the first rejection feeds the prompt again (one extra prefill). Cropping before the snapshot,
+or without recording, raises ``ValueError``.
 
 The cache that ``generate(num_beams=k, return_dict_in_generate=True)`` returns holds ``batch * k`` rows:
 the beams beam search was running (in its order), each without its last token. They need not include
