@@ -54,7 +54,7 @@ LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "ful
 
 
 def demo_settings(quick: bool = False) -> Dict[str, Any]:
-    """Task, model and training settings (fixed; ``quick`` trains less and evaluates fewer samples)."""
+    """Task, model, training settings and seeds (``quick``: one seed, fewer steps and evaluation samples)."""
     # MQAR (task="mqar") and multi-needle passkeys did not train within the step budget on a CPU, so a
     # single passkey it is. With chunks of 8 and 8 fixed rows the fixed state held the needle as well as
     # the growing one at 8x; with chunks of 4 a 16-row fixed state learns the retrieval only partly and
