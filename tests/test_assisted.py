@@ -148,3 +148,32 @@ def test_crop_refuses_what_it_cannot_restore():
         cache.crop(5)
     cache.crop(6)
     assert cache.get_seq_length() == 6
+
+
+def test_long_first_call_snapshots_before_its_tail_so_a_rejection_does_not_feed_the_prompt_again(monkeypatch):
+    m = model("kvm+swa")
+    ids = torch.arange(1, 11).repeat(5)[None]                  # 50 tokens > replay_limit (32)
+    want = greedy(m, ids, 24)
+    fed_tokens, run = [], KVMCache._run
+
+    def counting_run(self, backbone, x, mask):
+        fed_tokens.append(x.shape[1])
+        return run(self, backbone, x, mask)
+    monkeypatch.setattr(KVMCache, "_run", counting_run)
+    rollbacks = count_rollbacks(monkeypatch)
+    out = m.generate(ids, max_new_tokens=24, prompt_lookup_num_tokens=5, **GREEDY)
+    assert torch.equal(out, want) and rollbacks
+    assert fed_tokens[:2] == [50 + 5 - 32, 32]                 # the prompt and the first draft, split
+    assert max(fed_tokens[2:]) <= 32 + 6                       # no later run feeds the prompt again
+
+
+def test_crop_before_the_first_snapshot_feeds_again_from_the_start():
+    m = model("kvm")
+    seq = prompts([16], seed=6)[0]
+    cache = KVMCache()
+    cache.replay_limit = 3
+    cache.activate_past_recording()
+    logits(m, seq[None, :10], cache)                           # runs [0, 7) and [7, 10): snapshot at 7
+    cache.crop(4)
+    assert cache.get_seq_length() == 4 and cache.snapshot_nbytes == 0
+    assert torch.equal(logits(m, seq[None, 4:9], cache), logits(m, seq[None, 4:9], fed(m, seq[:4])))

@@ -25,9 +25,10 @@ snapshot's restores a copy of it, and the kept ids up to that length are fed aga
 call's (one backbone run: the state equals one that was fed them with that call): every mixer (kvm,
 full, swa, bswa, ovq) rolls back exactly. Once more than :attr:`KVMCache.replay_limit` ids would be fed
 again, the next call feeds them alone and snapshots afresh (so replays stay short). Cost per rejected
-draft: one copy of the snapshot and the kept ids fed again; ``generate`` sends the prompt with the first
-draft, so the first rejection feeds the prompt again (one extra prefill). Cropping before the snapshot,
-or without recording, raises ``ValueError``.
+draft: one copy of the snapshot and the kept ids fed again. ``generate`` sends the prompt with the first
+draft, so a recording cache's first call of more than ``replay_limit`` ids runs in two, snapshotting
+before the last ``replay_limit``: a rejection there does not feed the prompt again (one further back
+does, from the start). Cropping before the snapshot, or without recording, raises ``ValueError``.
 
 The cache that ``generate(num_beams=k, return_dict_in_generate=True)`` returns holds ``batch * k`` rows:
 the beams beam search was running (in its order), each without its last token. They need not include
@@ -141,6 +142,7 @@ class KVMCache(Cache):
         self.lengths: Optional[Tensor] = None
         self.record_past = False
         self._snapshot: Optional[_Snapshot] = None
+        self._head: Optional[_Snapshot] = None       # the empty cache and the ids before the first snapshot
         self._pending: Optional[Tuple[Tensor, Tensor]] = None   # ids, mask [B, n] kept by crop, fed first
 
     def bind(self, mixers: List[str]) -> "KVMCache":
@@ -176,6 +178,13 @@ class KVMCache(Cache):
                 hidden = self._run(backbone, torch.cat((ids, input_ids), 1), None if bool(both.all()) else both)
                 return None if hidden is None else hidden[:, ids.shape[1]:]
         if self.record_past:
+            head = input_ids.shape[1] - self.replay_limit
+            if self.lengths is None and mask is None and head > 0:     # the prompt and a first draft
+                first = input_ids[:, :head]
+                hidden = self._run(backbone, first, None)
+                self._head = _Snapshot(0, None, [], [first.clone()], [torch.ones_like(first, dtype=torch.bool)])
+                self._record(input_ids[:, head:], None)
+                return torch.cat((hidden, self._run(backbone, input_ids[:, head:], None)), 1)
             self._record(input_ids, mask)
         return self._run(backbone, input_ids, mask)
 
@@ -277,7 +286,7 @@ class KVMCache(Cache):
     def reset(self) -> None:
         """Forget every sequence (the next call starts new ones at position 0)."""
         self.groups, self.columns, self.lengths = [], 0, None
-        self._snapshot = self._pending = None
+        self._snapshot = self._head = self._pending = None
 
     def crop(self, max_length: int) -> None:
         """Drop the last columns: ``max_length > 0`` keeps that many, ``<= 0`` removes ``-max_length``
@@ -288,7 +297,13 @@ class KVMCache(Cache):
         snap = self._snapshot
         if keep == total:                               # nothing removed: snapshot afresh if far behind
             if snap is not None and keep - snap.columns > self.replay_limit:
-                self._snapshot = None
+                self._snapshot = self._head = None
+            return
+        if snap is not None and keep < snap.columns and self._head is not None:   # from the start
+            ids, masks = (torch.cat(t + u, 1)[:, :keep] for t, u in ((self._head.ids, snap.ids),
+                                                                    (self._head.masks, snap.masks)))
+            self.groups, self.columns, self.lengths = [], 0, None
+            self._pending, self._snapshot, self._head = (ids, masks) if keep else None, None, None
             return
         if not self.record_past:
             why = "past recording is off: call cache.activate_past_recording() before the calls to undo"
@@ -307,7 +322,7 @@ class KVMCache(Cache):
             self._pending = tuple(t[:, :n] for t in self._pending) if n else None
             return
         if n > self.replay_limit:                       # replay alone next call, then snapshot there
-            self.groups, self._snapshot = snap.groups, None
+            self.groups, self._snapshot, self._head = snap.groups, None, None
         else:
             self.groups = [_Group(g.rows, None if g.cache is None else g.cache.clone()) for g in snap.groups]
         self.columns, self.lengths = snap.columns, snap.lengths
@@ -341,7 +356,7 @@ class KVMCache(Cache):
         if self.lengths is None:
             return
         src = torch.as_tensor(src, dtype=torch.long).cpu()
-        self._snapshot = None                           # rows changed: crop can undo only later calls
+        self._snapshot = self._head = None              # rows changed: crop can undo only later calls
         if self._pending is not None:
             self._pending = tuple(t[src.to(t.device)] for t in self._pending)
         if len(self.groups) == 1 and self._in_order(self.groups[0]):     # common case: one batched state
