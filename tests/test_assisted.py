@@ -174,6 +174,8 @@ def test_crop_before_the_first_snapshot_feeds_again_from_the_start():
     cache.replay_limit = 3
     cache.activate_past_recording()
     logits(m, seq[None, :10], cache)                           # runs [0, 7) and [7, 10): snapshot at 7
+    with pytest.raises(ValueError, match="holds 10 columns"):
+        cache.crop(-11)
     cache.crop(4)
     assert cache.get_seq_length() == 4 and cache.snapshot_nbytes == 0
     assert torch.equal(logits(m, seq[None, 4:9], cache), logits(m, seq[None, 4:9], fed(m, seq[:4])))

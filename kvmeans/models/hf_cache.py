@@ -294,6 +294,8 @@ class KVMCache(Cache):
         docstring)."""
         total = self.get_seq_length()
         keep = min(max_length, total) if max_length > 0 else total + max_length
+        if keep < 0:
+            raise ValueError(f"KVMCache.crop({max_length}): the cache holds {total} columns; remove at most that many")
         snap = self._snapshot
         if keep == total:                               # nothing removed: snapshot afresh if far behind
             if snap is not None and keep - snap.columns > self.replay_limit:
