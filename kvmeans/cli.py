@@ -41,15 +41,65 @@ def _load_tokenizer(model_dir: str):
                          "save the tokenizer with the model (kvmeans train writes it into OUT/final)") from None
 
 
-def load_model(model_dir: str, dtype, device):
-    """``KVMForCausalLM`` from ``model_dir`` on ``device`` in eval mode; a :class:`UsageError` naming ``--model``
-    when its files are missing or unreadable (transformers raises ``OSError`` for those)."""
-    from .models.hf import KVMForCausalLM
+def add_kvm_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kvm SPEC``: convert a plain transformers model on the fly (:func:`kvmeans.convert_hf`)."""
+    parser.add_argument("--kvm", default=None, metavar="SPEC",
+                        help="convert a plain transformers model to KVM attention after loading, e.g. "
+                             "budget=fixed:128,chunk_len=32,n_bswa_chunks=4,sink_len=4 (see docs/pretrained.md)")
+
+
+def parse_kvm_arg(spec: Optional[str]) -> Optional[dict]:
+    """``convert_hf`` keyword arguments of ``--kvm SPEC`` (None without it); a :class:`UsageError` when bad."""
+    if spec is None:
+        return None
+    from .models.convert_hf import parse_kvm_spec
     try:
-        model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    except OSError as err:
+        return parse_kvm_spec(spec)
+    except ValueError as err:
+        raise UsageError(f"--kvm {spec}: {err}") from None
+
+
+def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None):
+    """The model in ``model_dir`` on ``device`` in eval mode: ``KVMForCausalLM`` for our (or the authors')
+    layout; a saved converted model through :func:`kvmeans.load_converted`; any other transformers causal
+    LM through ``AutoModelForCausalLM``, converted with ``kvm`` (:func:`parse_kvm_arg`) when given.
+    A :class:`UsageError` naming ``--model`` / ``--kvm`` for missing files or a spec that cannot apply."""
+    import json
+
+    from .models.convert import REFERENCE_MODEL_TYPE
+    from .models.convert_hf import CONFIG_KEY, convert_hf, load_converted
+    from .models.hf import KVMConfig, KVMForCausalLM
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--model {model_dir}: cannot read config.json ({err})") from None
+    native = raw.get("model_type") in (KVMConfig.model_type, REFERENCE_MODEL_TYPE)
+    if kvm is not None and (native or raw.get(CONFIG_KEY)):
+        why = "is a KVM model already" if native else f"is converted already (config.json {CONFIG_KEY})"
+        raise UsageError(f"--kvm: {model_dir} {why}; drop --kvm")
+    try:
+        if native:
+            model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        elif raw.get(CONFIG_KEY):
+            model = load_converted(model_dir, dtype=dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError) as err:
         raise UsageError(f"--model {model_dir}: {(str(err).strip().splitlines() or ['cannot load it'])[0]}") from None
+    if kvm is not None:
+        try:
+            convert_hf(model, **kvm)
+        except ValueError as err:
+            raise UsageError(f"--kvm: {err}") from None
     return model.to(device).eval()
+
+
+def kvm_settings(model) -> Optional[dict]:
+    """The conversion settings of a converted transformers model (config.json ``kvm_conversion``), else None."""
+    from .models.convert_hf import CONFIG_KEY
+    return getattr(model.config, CONFIG_KEY, None) or None
 
 
 def check_model_dir(model_dir: str) -> None:

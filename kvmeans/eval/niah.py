@@ -9,8 +9,10 @@ tokens, stopping at EOS; score = RULER's ``string_match_all`` x 100 per (task, l
 
 Batching: the samples of one (task, length) are sorted by prompt length (longest first) and generated
 ``--batch-size`` at a time with left padding and an attention mask (``KVMForCausalLM`` gives every row
-the logits it has alone). Output: ``niah.json`` (config, haystack, per-(task, length) scores, per-sample
-predictions) and ``niah.csv`` (``task,length,samples,score``) in ``--out`` (default
+the logits it has alone). A transformers model converted to KVM (``--kvm SPEC``, or a saved converted
+folder) refuses padding masks, so its prompts run one at a time (``batch_size`` is then 1).
+Output: ``niah.json`` (config with ``kvm``, the spec, and ``kvm_conversion``, the settings applied;
+haystack; per-(task, length) scores; per-sample predictions) and ``niah.csv`` (``task,length,samples,score``) in ``--out`` (default
 ``results/niah/<model>-<timestamp>``), and a table like the paper's (rows NIAH-S1/S2/S3, one column per
 length, and the mean).
 """
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..cli import (_load_tokenizer, _need_hf, add_kvm_argument, check_model_dir, kvm_settings, load_model,
+                   parse_kvm_arg)
 from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write_text
 from . import ruler
@@ -63,6 +67,8 @@ def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_t
         eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+    if getattr(getattr(model, "config", None), "kvm_conversion", None):
+        batch_size = 1         # converted models refuse padding masks: one prompt at a time
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     device = _device_of(model)
     out: List[Optional[str]] = [None] * len(ids)
@@ -239,13 +245,14 @@ def main(argv: List[str]) -> int:
     p.add_argument("--out", default=None, help="folder for niah.json and niah.csv "
                                                "(default: results/niah/<model>-<timestamp>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_kvm_argument(p)
     a = p.parse_args(argv)
     prog = "kvmeans eval niah"
+    kvm = parse_kvm_arg(a.kvm)
     try:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
     except ValueError as err:
         p.error(str(err))
-    from ..cli import _load_tokenizer, _need_hf, check_model_dir, load_model
     check_model_dir(a.model)
     if a.device is not None:
         check_device("--device", a.device)
@@ -267,10 +274,11 @@ def main(argv: List[str]) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
     hf_logging.disable_progress_bar()
-    model = load_model(a.model, getattr(torch, dtype), device)
+    model = load_model(a.model, getattr(torch, dtype), device, kvm)
     results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
                        a.max_new_tokens, progress=not a.no_progress)
-    results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype})
+    results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
+                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model)})
     name = Path(os.path.abspath(a.model)).name or "model"
     out = Path(a.out) if a.out else Path("results") / "niah" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     write_results(results, out)

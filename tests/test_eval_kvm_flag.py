@@ -1,0 +1,109 @@
+"""``--kvm SPEC`` on the eval commands: a plain transformers folder converted on the fly (tiny random Llama)."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from kvmeans.eval.cli import main as eval_main  # noqa: E402
+from kvmeans.train.tokenizers import gpt2_hf_tokenizer  # noqa: E402
+
+WIDE = "budget=fixed:64,chunk_len=256,n_bswa_chunks=4,sink_len=4"      # window covers every input: exact
+SMALL = "budget=fixed:8,chunk_len=8,n_bswa_chunks=2,sink_len=2"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    d = tmp_path_factory.mktemp("kvmflag") / "llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(d)
+    gpt2_hf_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kvmtext")
+    paths = []
+    for i in range(2):
+        p = d / f"doc{i}.txt"
+        p.write_text(" ".join(f"word{(i * 7 + j * 13) % 97}" for j in range(400)), encoding="utf-8")
+        paths.append(str(p))
+    return paths
+
+
+def _ppl(llama_dir, texts, out, *extra):
+    assert eval_main(["ppl", "--model", str(llama_dir), "--length", "64", "--windows", "2", "--arms", "full",
+                      "--text", *texts, "--out", str(out), *extra]) == 0
+    return json.loads((out / "ppl.json").read_text())
+
+
+def test_ppl_kvm_arm_equals_full_inside_the_window_and_differs_with_a_small_budget(llama_dir, texts, tmp_path):
+    wide = _ppl(llama_dir, texts, tmp_path / "wide", "--kvm", WIDE)
+    full, kvm = wide["rows"]
+    assert kvm["arm"] == "kvm" and kvm["ppl"] == pytest.approx(full["ppl"], rel=1e-7)
+    assert wide["settings"]["kvm"] == WIDE and wide["settings"]["kvm_conversion"]["chunk_len"] == 256
+    small = _ppl(llama_dir, texts, tmp_path / "small", "--kvm", SMALL)
+    full, kvm = small["rows"]
+    assert abs(kvm["ppl"] / full["ppl"] - 1) > 1e-6        # random weights: near-uniform, small but real
+    assert kvm["kept_keys"] == 8 + 16 and full["kept_keys"] == 64
+    assert "kvm" in (tmp_path / "small" / "ppl.csv").read_text()
+
+
+@pytest.mark.parametrize("cmd", ["ppl", "niah"])
+def test_bad_spec_is_one_line_exit_2_before_loading(cmd, llama_dir, tmp_path, capsys):
+    assert eval_main([cmd, "--model", str(llama_dir), "--kvm", "budget=fixed:8,bogus=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kvm" in err[0] and "bogus" in err[0]
+
+
+def _niah(model_dir, out, *extra):
+    assert eval_main(["niah", "--model", str(model_dir), "--tasks", "niah_single_1", "--lengths", "256",
+                      "--samples", "3", "--max-new-tokens", "4", "--no-progress", "--out", str(out), *extra]) == 0
+    return json.loads((out / "niah.json").read_text())
+
+
+def test_niah_kvm_runs_prompts_one_by_one_and_equals_the_plain_model_inside_the_window(llama_dir, tmp_path):
+    plain = _niah(llama_dir, tmp_path / "plain", "--batch-size", "1")
+    wide = _niah(llama_dir, tmp_path / "wide", "--batch-size", "3", "--kvm", WIDE)   # padded batches would refuse
+    assert [s["pred"] for s in wide["samples"]] == [s["pred"] for s in plain["samples"]]
+    assert wide["config"]["kvm"] == WIDE and wide["config"]["kvm_conversion"]["n_bswa_chunks"] == 4
+    assert plain["config"]["kvm"] is None and plain["config"]["kvm_conversion"] is None
+
+
+def test_saved_converted_folder_loads_converted_and_refuses_a_second_spec(llama_dir, tmp_path, capsys):
+    from kvmeans.cli import load_model, parse_kvm_arg
+    model = load_model(str(llama_dir), torch.float32, "cpu", parse_kvm_arg(SMALL))
+    conv = tmp_path / "converted"
+    model.save_pretrained(conv)
+    gpt2_hf_tokenizer().save_pretrained(conv)
+    got = _niah(conv, tmp_path / "out")
+    assert got["config"]["kvm"] is None and got["config"]["kvm_conversion"]["budget"]["n"] == 8
+    capsys.readouterr()
+    assert eval_main(["niah", "--model", str(conv), "--lengths", "256", "--kvm", SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "converted already" in err[0] and "drop --kvm" in err[0]
+
+
+def test_kvm_native_model_refuses_a_spec(tmp_path, capsys):
+    from kvmeans.models import KVMLanguageModel, KVMModelConfig
+    from kvmeans.models.hf import KVMForCausalLM
+    lm = KVMLanguageModel(KVMModelConfig(vocab_size=50257, hidden_size=32, num_layers=1, num_heads=2,
+                                         num_kv_heads=1, chunk_len=32, n_bswa_chunks=2))
+    KVMForCausalLM.from_language_model(lm).save_pretrained(tmp_path / "kvm")
+    gpt2_hf_tokenizer().save_pretrained(tmp_path / "kvm")
+    assert eval_main(["niah", "--model", str(tmp_path / "kvm"), "--lengths", "256", "--kvm", SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a KVM model already" in err[0]
