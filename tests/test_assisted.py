@@ -179,3 +179,13 @@ def test_crop_before_the_first_snapshot_feeds_again_from_the_start():
     cache.crop(4)
     assert cache.get_seq_length() == 4 and cache.snapshot_nbytes == 0
     assert torch.equal(logits(m, seq[None, 4:9], cache), logits(m, seq[None, 4:9], fed(m, seq[:4])))
+
+
+@pytest.mark.parametrize("mode, records", [("ASSISTED_GENERATION", True), ("GREEDY_SEARCH", False)])
+def test_generate_records_the_cache_of_assisted_decoding_itself(mode, records):
+    """transformers 5.0 does not call activate_past_recording; the model does when it builds the cache."""
+    from transformers import GenerationConfig
+    from transformers.generation import GenerationMode
+    m, kwargs = model("kvm"), {}
+    m._prepare_cache_for_generation(GenerationConfig(use_cache=True), kwargs, getattr(GenerationMode, mode), 1, 64)
+    assert isinstance(kwargs["past_key_values"], KVMCache) and kwargs["past_key_values"].record_past is records

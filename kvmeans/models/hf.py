@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.generation import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 try:  # spelled PreTrainedConfig since 5.0; the old alias is kept for safety
@@ -121,11 +122,13 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         return False                   # never a DynamicCache: generate() gets a KVMCache (below / forward)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """Let ``generate`` start with an empty :class:`KVMCache` (chunked prefill needs one up front)."""
+        """Let ``generate`` start with an empty :class:`KVMCache` (chunked prefill needs one up front), recording
+        what ``crop`` needs in assisted decoding (transformers 5.0 does not call ``activate_past_recording``)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache:
             model_kwargs["past_key_values"] = KVMCache(self.layer_types())
-            if getattr(generation_config, "is_assistant", False):   # its drafts get rolled back
+            mode = kwargs.get("generation_mode", args[0] if args else None)
+            if getattr(generation_config, "is_assistant", False) or mode == GenerationMode.ASSISTED_GENERATION:
                 model_kwargs["past_key_values"].activate_past_recording()
 
     def _init_weights(self, module):
