@@ -5,6 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from kvmeans.eval.cli import main as eval_main  # noqa: E402
@@ -107,3 +108,36 @@ def test_kvm_native_model_refuses_a_spec(tmp_path, capsys):
     assert eval_main(["niah", "--model", str(tmp_path / "kvm"), "--lengths", "256", "--kvm", SMALL]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a KVM model already" in err[0]
+
+
+def _position_loss(llama_dir, tmp_path, name, *extra):
+    from kvmeans.train.data import write_token_file
+    data = tmp_path / "data" / "val.bin"
+    if not data.exists():
+        toks = torch.randint(1, 1000, (200,), generator=torch.Generator().manual_seed(0)).numpy()
+        write_token_file(data, toks, vocab_size=50257, tokenizer_id="test", eos_id=None, packing="concat")
+    out = tmp_path / name
+    assert eval_main(["position-loss", "--model", str(llama_dir), "--data", str(data.parent), "--ctx", "64",
+                      "--block", "16", "--segment", "24", "--batch-size", "2", "--windows", "--out", str(out),
+                      *extra]) == 0
+    return json.loads((out / "position_loss.json").read_text())
+
+
+def test_position_loss_on_a_plain_model_and_with_kvm(llama_dir, tmp_path):
+    plain = _position_loss(llama_dir, tmp_path, "plain")
+    model = LlamaForCausalLM.from_pretrained(llama_dir).eval()     # segments with a cache = one forward
+    toks = torch.randint(1, 1000, (200,), generator=torch.Generator().manual_seed(0))
+    ids = torch.stack([toks[s:s + 65] for s in (0, 65, 130)])
+    with torch.no_grad():
+        want = F.cross_entropy(model(ids[:, :-1]).logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(0)
+    torch.testing.assert_close(torch.tensor(plain["models"][0]["per_position"]["sums"], dtype=torch.float64), want.double(),
+                               rtol=1e-5, atol=1e-5)
+    wide = _position_loss(llama_dir, tmp_path, "wide", "--kvm", WIDE)
+    small = _position_loss(llama_dir, tmp_path, "small", "--kvm", SMALL)
+    sums = {k: torch.tensor(r["models"][0]["per_position"]["sums"]) for k, r in
+            (("plain", plain), ("wide", wide), ("small", small))}
+    torch.testing.assert_close(sums["wide"], sums["plain"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(sums["small"][24:], sums["plain"][24:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sums["small"][:16], sums["plain"][:16], rtol=1e-5, atol=1e-5)   # inside the window
+    assert wide["config"]["kvm"] == WIDE and wide["models"][0]["kvm_conversion"]["chunk_len"] == 256
+    assert plain["models"][0]["kvm_conversion"] is None

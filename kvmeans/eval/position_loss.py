@@ -22,10 +22,14 @@ positions at a time, so no ``[ctx, vocab]`` logits tensor exists (peak: ``batch 
 activations + ``batch x logits_chunk x vocab`` logits + the cache; full-attention layers still
 keep their whole KV cache).
 
-Outputs under ``--out`` (each written atomically): ``position_loss.json`` (config; per model the
-per-position NLL sums and counts, per-block sums / counts / mean loss, overall mean and
-perplexity), ``position_loss.csv`` (one row per model and block), ``position_loss.png`` (mean loss
-per block, one curve per model). Loss is in nats.
+Models: ours (or the authors' layout), or any transformers causal LM; ``--kvm SPEC`` converts every
+plain transformers ``--model`` with :func:`kvmeans.convert_hf` after loading (documents of one batch
+have the same length, so no padding mask is needed).
+
+Outputs under ``--out`` (each written atomically): ``position_loss.json`` (config with ``kvm``; per
+model the per-position NLL sums and counts, per-block sums / counts / mean loss, overall mean and
+perplexity, ``kvm_conversion``: the settings applied, or null), ``position_loss.csv`` (one row per
+model and block), ``position_loss.png`` (mean loss per block, one curve per model). Loss is in nats.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..bench.report import write_csv
+from ..cli import add_kvm_argument, check_model_dir, kvm_settings, load_model, parse_kvm_arg
 from ..train.data import TokenFile
 from ..utils.cli import check_device, check_out_dir, run_main
 from ..utils.io import atomic_write, atomic_write_text
@@ -109,11 +114,21 @@ def document_spans(tf: TokenFile, min_len: int, eos_id: Optional[int] = None, wi
 
 
 # ---- model ----------------------------------------------------------------------------------------
-def _parts(model) -> Tuple[torch.nn.Module, torch.nn.Module, Optional[float]]:
-    """(backbone ``ids, cache -> hidden, cache``, lm_head, softcap) of a KVMForCausalLM or KVMLanguageModel."""
-    if not (hasattr(model, "transformer") and hasattr(model, "lm_head")):
-        raise TypeError(f"expected a KVMForCausalLM or KVMLanguageModel, got {type(model).__name__}")
-    return model.transformer, model.lm_head, getattr(model.config, "logit_softcap", None)
+def _parts(model) -> Tuple[Any, torch.nn.Module, Optional[float]]:
+    """(backbone ``ids, cache -> hidden, cache``, lm_head, softcap) of a KVMForCausalLM, a KVMLanguageModel or
+    a transformers causal LM (plain or converted: its decoder with its own cache, its output embeddings)."""
+    from ..models.transformer import KVMModel
+    if isinstance(getattr(model, "transformer", None), KVMModel):
+        return model.transformer, model.lm_head, getattr(model.config, "logit_softcap", None)
+    if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
+        raise TypeError(f"expected a KVMForCausalLM, a KVMLanguageModel or a transformers causal LM, "
+                        f"got {type(model).__name__}")
+    decoder = model.get_decoder()
+
+    def backbone(ids, cache):
+        out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state, out.past_key_values
+    return backbone, model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
 
 
 @torch.no_grad()
@@ -289,6 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32")
     p.add_argument("--out", default="position-loss", help="output folder (default ./position-loss)")
+    add_kvm_argument(p)
     return p
 
 
@@ -296,6 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     prog = p.prog
+    kvm = parse_kvm_arg(a.kvm)
     for name in ("ctx", "block", "batch_size", "segment", "logits_chunk"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -321,7 +338,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{prog}: --data {tf.path}: {why}. Lower --ctx (e.g. --ctx {max(1, info['longest'] - 1)}), use "
               "longer documents, or --windows to score the stream as windows", file=sys.stderr)
         return 2
-    from ..cli import check_model_dir, load_model
     for d in a.model:
         check_model_dir(d)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
@@ -330,10 +346,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"of {info['documents']}), ctx {a.ctx}, blocks of {a.block}, segments of {a.segment}")
     results = []
     for label, d in zip(labels, a.model):
-        model = load_model(d, dtype, a.device)
+        model = load_model(d, dtype, a.device, kvm)
         try:
             results += evaluate_models([(label, d, model)], tf, spans, a.ctx, a.block, a.batch_size, a.segment,
                                        a.logits_chunk, a.device)
+            results[-1]["kvm_conversion"] = kvm_settings(model)
         except ValueError as err:
             print(f"{prog}: {err}", file=sys.stderr)
             return 2
@@ -341,7 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config = {"data": str(tf.path), "tokenizer_id": tf.header.get("tokenizer_id"), "ctx": a.ctx, "block": a.block,
               "num_docs": len(spans), "selection": info, "max_docs": a.max_docs, "segment": a.segment,
               "logits_chunk": a.logits_chunk, "batch_size": a.batch_size, "dtype": a.dtype, "device": a.device,
-              "doc_starts": [s for s, _ in spans], "loss": "nats; position i predicts token i+1"}
+              "kvm": a.kvm, "doc_starts": [s for s, _ in spans], "loss": "nats; position i predicts token i+1"}
     paths = write_outputs(a.out, results, config)
     print(format_table(results))
     print("wrote " + ", ".join(str(x) for x in paths.values()))
