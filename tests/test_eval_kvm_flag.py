@@ -141,3 +141,31 @@ def test_position_loss_on_a_plain_model_and_with_kvm(llama_dir, tmp_path):
     torch.testing.assert_close(sums["small"][:16], sums["plain"][:16], rtol=1e-5, atol=1e-5)   # inside the window
     assert wide["config"]["kvm"] == WIDE and wide["models"][0]["kvm_conversion"]["chunk_len"] == 256
     assert plain["models"][0]["kvm_conversion"] is None
+
+
+def _memory(llama_dir, tmp_path, name, *extra):
+    out = tmp_path / name
+    assert eval_main(["memory", "--model", str(llama_dir), "--lengths", "64", "256", "--decode-tokens", "2",
+                      "--out", str(out), *extra]) == 0
+    return json.loads((out / "memory.json").read_text())
+
+
+def test_memory_of_a_plain_model_is_its_kv_cache_and_with_kvm_stays_bounded(llama_dir, tmp_path):
+    plain = _memory(llama_dir, tmp_path, "plain")["models"][0]
+    for r in plain["results"]:      # a plain cache holds exactly every key and value
+        assert r["cache_bytes"] == r["full_attn_kv_bytes"] == 2 * 2 * 1 * 2 * r["N"] * 8 * 4
+        assert [x["kv_rows"] for x in r["layers"]] == [r["N"]] * 2
+    got = _memory(llama_dir, tmp_path, "small", "--kvm", SMALL)
+    small = got["models"][0]
+    assert got["config"]["kvm"] == SMALL and small["kvm_conversion"]["budget"]["n"] == 8
+    assert small["mixers"] == ["kvm", "kvm"] and "fixed" in small["budget"]
+    at64, at256 = small["results"]
+    assert at64["state_rows"] == at256["state_rows"] == 8
+    assert at256["cache_bytes"] < at256["full_attn_kv_bytes"] / 4
+    assert at256["cache_bytes"] == at64["cache_bytes"]          # flat: rows and window, not N
+
+
+def test_memory_kvm_refuses_presets(capsys):
+    with pytest.raises(SystemExit):
+        eval_main(["memory", "--preset", "tiny-cpu", "--kvm", SMALL])
+    assert "presets are KVM models already" in capsys.readouterr().err

@@ -18,6 +18,13 @@ values of every layer for all N tokens at the model's KV head count and head dim
 dtype, without token-shift rows or allocator slack (a lower bound for a real KV cache). Note that
 KVM states of bf16/fp16 models are kept in float32.
 
+Transformers models: a ``--model`` folder of any transformers causal LM is measured the same way
+(prefill through its decoder, its own cache); ``--kvm SPEC`` converts every such folder with
+:func:`kvmeans.convert_hf`, and the layer table reports each converted layer's state rows and
+buffered window tokens (``mixer`` ``kvm``) next to plain layers' key/value rows (``attention``);
+``cache_bytes`` is then :func:`~kvmeans.models.hf_kvm_cache.cache_nbytes`. ``memory.json`` records the
+spec (``config.kvm``) and each model's ``kvm_conversion``.
+
 Schedule mode (``--schedule``): no forward, only :func:`kvmeans.ops.schedule.rows_after` for the
 paper's budgets (fixed 256 rows, 16 sqrt(N) with min 256, saturating 1024 N / (1024 + N)) or
 ``--budget`` specs, with ``--chunk-len``/``--n-bswa-chunks`` (default 256 / 2): state rows after a
@@ -33,15 +40,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..bench.report import format_table, human_bytes, plot_panels, write_csv, write_json
+from ..cli import add_kvm_argument, check_model_dir, kvm_settings, load_model, parse_kvm_arg
 from ..models.config import KVMModelConfig, budget_to_dict
 from ..ops.budget import StateBudget
 from ..ops.schedule import rows_after
 from ..utils.cli import check_device, check_out_dir, run_main
+from .position_loss import backbone_parts
 
 __all__ = ["PAPER_BUDGETS", "parse_budget", "schedule_curves", "measure_model", "full_attention_kv_bytes",
            "cache_layers", "main"]
@@ -95,6 +105,37 @@ def _model_config(model) -> KVMModelConfig:
     return cfg.to_model_config() if hasattr(cfg, "to_model_config") else cfg
 
 
+def _is_kvm_native(model) -> bool:
+    from ..models.transformer import KVMModel
+    return isinstance(getattr(model, "transformer", None), KVMModel)
+
+
+def _describe(model) -> SimpleNamespace:
+    """What the report needs of ``model``'s geometry: ``num_layers``, ``kv_heads``, ``qk_head_dim``,
+    ``vocab_size``, ``chunk_len``, ``n_bswa_chunks``, ``mixers`` (per layer), ``budget`` (text),
+    ``budget_spec``. A transformers model's layers are ``attention`` or, converted, ``kvm``."""
+    if _is_kvm_native(model):
+        cfg = _model_config(model)
+        return SimpleNamespace(num_layers=cfg.num_layers, kv_heads=cfg.kv_heads, qk_head_dim=cfg.qk_head_dim,
+                               vocab_size=cfg.vocab_size, chunk_len=cfg.chunk_len, n_bswa_chunks=cfg.n_bswa_chunks,
+                               mixers=cfg.mixer_per_layer(),
+                               budget=repr(cfg.state_budget()) if "kvm" in cfg.mixer_per_layer() else "no KVM layers",
+                               budget_spec=budget_to_dict(cfg.state_budget()))
+    from ..models.convert_hf import CONFIG_KEY, KVMSpec
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    conv = dict(getattr(model.config, CONFIG_KEY, None) or {})
+    layers = conv.pop("layers", [])
+    spec = KVMSpec.from_dict(conv) if conv else None
+    return SimpleNamespace(num_layers=cfg.num_hidden_layers, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                           qk_head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                           vocab_size=cfg.vocab_size, chunk_len=spec.chunk_len if spec else 32,
+                           n_bswa_chunks=spec.n_bswa_chunks if spec else None,
+                           mixers=["kvm" if i in layers else "attention" for i in range(cfg.num_hidden_layers)],
+                           budget=repr(spec.state_budget) if spec else "no KVM layers",
+                           budget_spec=budget_to_dict(spec.state_budget) if spec else None)
+
+
 def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
@@ -107,7 +148,10 @@ def full_attention_kv_bytes(config: KVMModelConfig, n_tokens: int, batch: int, d
 
 def cache_layers(cache) -> List[Dict[str, Any]]:
     """Per layer of a :class:`~kvmeans.models.cache.ModelCache`: ``layer``, ``mixer``, ``nbytes``
-    (``layer_nbytes``), ``mixer_nbytes``, ``used_nbytes``, ``state_rows``, ``window_tokens``, ``kv_rows``."""
+    (``layer_nbytes``), ``mixer_nbytes``, ``used_nbytes``, ``state_rows``, ``window_tokens``, ``kv_rows``;
+    of a transformers cache (:func:`hf_cache_layers`) the same keys."""
+    if not hasattr(cache, "mixers"):
+        return hf_cache_layers(cache)
     rows = []
     for i, st in enumerate(cache.layers):
         r: Dict[str, Any] = {"layer": i, "mixer": cache.mixers[i], "nbytes": int(cache.layer_nbytes(i)),
@@ -121,6 +165,26 @@ def cache_layers(cache) -> List[Dict[str, Any]]:
     return rows
 
 
+def hf_cache_layers(cache) -> List[Dict[str, Any]]:
+    """Per layer of a transformers cache: a converted layer (``kvm``) reports its state rows and the tokens
+    buffered for the window; a plain one (``attention``) its key/value tokens. ``nbytes`` as
+    :func:`~kvmeans.models.hf_kvm_cache.cache_nbytes` counts them."""
+    from ..models.hf_kvm_cache import KVMCacheLayer
+    rows = []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, KVMCacheLayer):
+            st = layer.state
+            rows.append({"layer": i, "mixer": "kvm", "nbytes": int(st.nbytes), "mixer_nbytes": int(st.nbytes),
+                         "used_nbytes": int(st.nbytes), "state_rows": st.num_rows,
+                         "window_tokens": st.seen - st.covered, "kv_rows": None})
+        else:
+            n = sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                    if isinstance(t, torch.Tensor))
+            rows.append({"layer": i, "mixer": "attention", "nbytes": n, "mixer_nbytes": n, "used_nbytes": None,
+                         "state_rows": None, "window_tokens": None, "kv_rows": int(layer.get_seq_length())})
+    return rows
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -129,14 +193,12 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def measure_model(model, lengths: Sequence[int], decode_tokens: int = 16, batch_size: int = 1,
                   seed: int = 0, warmup: bool = True, log=print) -> List[Dict[str, Any]]:
-    """Prefill / decode measurements of ``model`` (``KVMForCausalLM`` or ``KVMLanguageModel``) at each
-    length; one dict per length (see the module docstring for the fields)."""
-    if not (hasattr(model, "transformer") and hasattr(model, "lm_head")):
-        raise TypeError(f"expected a KVMForCausalLM or KVMLanguageModel, got {type(model).__name__}")
-    cfg = _model_config(model)
+    """Prefill / decode measurements of ``model`` (``KVMForCausalLM``, ``KVMLanguageModel`` or a transformers
+    causal LM, plain or converted) at each length; one dict per length (see the module docstring)."""
+    backbone, head, _ = backbone_parts(model)
+    cfg = _describe(model)
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
-    backbone, head = model.transformer, model.lm_head
     gen = torch.Generator().manual_seed(seed)
     if warmup:                     # first-call overheads (allocator, kernels) out of the timings
         w = torch.randint(0, cfg.vocab_size, (batch_size, 2 * cfg.chunk_len + 1), generator=gen).to(device)
@@ -153,7 +215,7 @@ def measure_model(model, lengths: Sequence[int], decode_tokens: int = 16, batch_
         prefill_s = time.perf_counter() - t0
         del hidden
         layers = cache_layers(cache)
-        total = int(cache.nbytes)
+        total = sum(r["nbytes"] for r in layers) if not hasattr(cache, "mixers") else int(cache.nbytes)
         dec_s = None
         if decode_tokens > 0:
             _sync(device)
@@ -262,10 +324,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-len", type=int, default=256, help="schedule mode: chunk length C (default 256)")
     p.add_argument("--n-bswa-chunks", type=int, default=2, help="schedule mode: window chunks n (default 2)")
     p.add_argument("--out", default="memory", help="output folder (default ./memory)")
+    add_kvm_argument(p)
     return p
 
 
-def _load(kind: str, name: str, device: str, dtype: str):
+def _load(kind: str, name: str, device: str, dtype: str, kvm: Optional[dict] = None):
     from ..models.config import preset
     if kind == "preset":
         from ..models.transformer import KVMLanguageModel
@@ -273,17 +336,19 @@ def _load(kind: str, name: str, device: str, dtype: str):
         if dtype not in ("auto", "float32"):
             model = model.to(getattr(torch, dtype))
         return model.to(device).eval()
-    from ..cli import load_model
-    return load_model(name, dtype if dtype == "auto" else getattr(torch, dtype), device)
+    return load_model(name, dtype if dtype == "auto" else getattr(torch, dtype), device, kvm)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     prog = p.prog
+    kvm = parse_kvm_arg(a.kvm)
     sources = [("model", d) for d in a.model] + [("preset", n) for n in a.preset]
     if not sources and not a.schedule:
         p.error("give --model DIR and/or --preset NAME (e.g. --preset tiny-cpu), or --schedule for budgets only")
+    if kvm is not None and a.preset:
+        p.error("--kvm converts transformers --model folders; presets are KVM models already")
     if a.label is not None and len(a.label) != len(sources):
         p.error(f"give one --label per --model/--preset ({len(sources)}), or none")
     if a.lengths is not None and min(a.lengths) < 1:
@@ -292,7 +357,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
     check_device("--device", a.device)
     check_out_dir("--out", a.out)
-    from ..cli import check_model_dir
     from ..models.config import PRESETS
     for kind, name in sources:
         if kind == "preset" and name not in PRESETS:
@@ -325,21 +389,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         labels = a.label or [Path(n).name if k == "model" else n for k, n in sources]
         measured = []
         for label, (kind, name) in zip(labels, sources):
-            model = _load(kind, name, a.device, a.dtype)
-            cfg = _model_config(model)
-            budget = repr(cfg.state_budget()) if "kvm" in cfg.mixer_per_layer() else "no KVM layers"
-            print(f"[{label}] {kind} {name}: layers {cfg.mixer_per_layer()}, budget {budget}, "
+            model = _load(kind, name, a.device, a.dtype, kvm)
+            cfg = _describe(model)
+            print(f"[{label}] {kind} {name}: layers {cfg.mixers}, budget {cfg.budget}, "
                   f"Hkv {cfg.kv_heads}, D {cfg.qk_head_dim}, {_model_dtype(model)}")
             try:
                 res = measure_model(model, lengths, a.decode_tokens, a.batch_size, a.seed)
             except torch.cuda.OutOfMemoryError as err:  # pragma: no cover - GPU only
                 print(f"{prog}: [{label}] out of memory ({err}); lower --lengths or --batch-size", file=sys.stderr)
                 return 1
-            measured.append({"label": label, "source": name, "kind": kind, "budget": budget,
-                             "budget_spec": budget_to_dict(cfg.state_budget()), "mixers": cfg.mixer_per_layer(),
+            measured.append({"label": label, "source": name, "kind": kind, "budget": cfg.budget,
+                             "budget_spec": cfg.budget_spec, "mixers": cfg.mixers,
                              "kv_heads": cfg.kv_heads, "head_dim": cfg.qk_head_dim, "num_layers": cfg.num_layers,
                              "chunk_len": cfg.chunk_len, "n_bswa_chunks": cfg.n_bswa_chunks,
-                             "dtype": str(_model_dtype(model)), "results": res})
+                             "dtype": str(_model_dtype(model)),
+                             "kvm_conversion": kvm_settings(model) if kind == "model" else None, "results": res})
             del model
         head = ["model", "N", "prefill s", "decode tok/s", "state rows", "cache", "full-attn KV", "ratio"]
         table = [[m["label"], r["N"], f"{r['prefill_s']:.3f}",
@@ -349,7 +413,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  for m in measured for r in m["results"]]
         print(format_table(head, table))
         from ..bench.report import env_info
-        config = {"lengths": lengths, "decode_tokens": a.decode_tokens, "batch_size": a.batch_size, "seed": a.seed,
+        config = {"kvm": a.kvm, "lengths": lengths, "decode_tokens": a.decode_tokens, "batch_size": a.batch_size, "seed": a.seed,
                   "device": a.device, "dtype": a.dtype, "threads": torch.get_num_threads(),
                   "env": env_info(a.device),
                   "full_attn_kv_bytes": "2 * layers * batch * Hkv * N * head_dim * bytes(model dtype): keys + "

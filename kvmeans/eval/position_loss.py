@@ -114,7 +114,7 @@ def document_spans(tf: TokenFile, min_len: int, eos_id: Optional[int] = None, wi
 
 
 # ---- model ----------------------------------------------------------------------------------------
-def _parts(model) -> Tuple[Any, torch.nn.Module, Optional[float]]:
+def backbone_parts(model) -> Tuple[Any, torch.nn.Module, Optional[float]]:
     """(backbone ``ids, cache -> hidden, cache``, lm_head, softcap) of a KVMForCausalLM, a KVMLanguageModel or
     a transformers causal LM (plain or converted: its decoder with its own cache, its output embeddings)."""
     from ..models.transformer import KVMModel
@@ -143,7 +143,7 @@ def per_position_nll(model, inputs: Tensor, labels: Tensor, segment: int = 2048,
         raise ValueError(f"inputs and labels must both be [B, T], got {list(inputs.shape)} and {list(labels.shape)}")
     if segment < 1 or logits_chunk < 1:
         raise ValueError(f"--segment and --logits-chunk must be >= 1, got {segment} and {logits_chunk}")
-    backbone, head, cap = _parts(model)
+    backbone, head, cap = backbone_parts(model)
     B, T = inputs.shape
     out = torch.empty(B, T, dtype=torch.float64)
     cache = None
