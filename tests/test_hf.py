@@ -271,7 +271,7 @@ def test_cli_convert_then_from_pretrained(tmp_path, capsys):
     ids = torch.randint(0, 128, (1, 17))
     model = KVMForCausalLM.from_pretrained(dst, dtype=torch.float32)
     assert torch.equal(full_logits(model, ids), _reference_path_logits(ref, tmp_path, ids))
-    assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x"), "--no-check"]) == 1
+    assert cli(["convert", str(tmp_path / "missing"), str(tmp_path / "x"), "--no-check"]) == 2      # a user mistake: one line, exit 2
 
 
 def test_cli_generate_smoke(tmp_path, capsys):
