@@ -169,3 +169,42 @@ def test_memory_kvm_refuses_presets(capsys):
     with pytest.raises(SystemExit):
         eval_main(["memory", "--preset", "tiny-cpu", "--kvm", SMALL])
     assert "presets are KVM models already" in capsys.readouterr().err
+
+
+def _lm_eval(pretrained, **kw):
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    from pathlib import Path
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import kvmeans.eval.harness as H
+    toy = Path(__file__).parent / "data" / "lmeval_toy"
+    lm = H.KVMLM(pretrained=str(pretrained), batch_size=3, device="cpu", **kw)
+    res = simple_evaluate(model=lm, tasks=["kvm_toy_mc", "kvm_toy_gen"], log_samples=True, bootstrap_iters=0,
+                          task_manager=TaskManager(include_path=str(toy), include_defaults=False))
+    return lm, {t: [s["resps"] for s in sorted(res["samples"][t], key=lambda s: s["doc_id"])]
+                for t in ("kvm_toy_mc", "kvm_toy_gen")}
+
+
+def test_lm_eval_kvm_converts_a_plain_folder_and_matches_it_inside_the_window(llama_dir, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    plain_lm, plain = _lm_eval(llama_dir)
+    wide_lm, wide = _lm_eval(llama_dir, kvm=WIDE)       # generate_until: padded batches run row by row
+    assert getattr(plain_lm.model.config, "kvm_conversion", None) is None
+    assert wide_lm.model.config.kvm_conversion["chunk_len"] == 256
+    assert wide["kvm_toy_gen"] == plain["kvm_toy_gen"]
+    for a, b in zip(wide["kvm_toy_mc"], plain["kvm_toy_mc"]):
+        assert [x[0][0] for x in a] == pytest.approx([x[0][0] for x in b], rel=1e-5)
+
+
+def test_lm_eval_kvm_flag_becomes_a_model_arg_and_a_bad_spec_is_one_line(llama_dir, capsys):
+    from kvmeans.eval.lm_eval_cli import translate_args
+    assert translate_args(["--model", str(llama_dir), "--kvm", SMALL, "--tasks", "x"]) == \
+        ["run", "--model", "kvm", "--model_args", f"pretrained={llama_dir}", "--model_args", f'kvm="{SMALL}"',
+         "--tasks", "x"]
+    assert eval_main(["lm-eval", "--model", str(llama_dir), "--kvm", "bogus=1", "--tasks", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kvm bogus=1" in err[0]

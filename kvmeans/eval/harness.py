@@ -17,7 +17,10 @@ knows the models listed in its own ``lm_eval/models/__init__.py`` and imports no
 (no entry-point discovery, no ``--include_package``), so nothing imports this module first.
 
 Model arguments (``--model_args`` / ``KVMLM(...)``): ``pretrained`` (a directory in our layout or
-the authors' ``rwkv7backbone`` layout, or a ``KVMForCausalLM`` instance), ``tokenizer`` (a
+the authors' ``rwkv7backbone`` layout, a saved converted transformers model, a plain transformers
+causal LM folder, or a ``KVMForCausalLM`` instance), ``kvm`` (a :func:`kvmeans.parse_kvm_spec` spec:
+convert a plain transformers folder after loading; on the command line ``--kvm SPEC``, or quoted in
+``--model_args kvm="budget=fixed:128,chunk_len=32"``), ``tokenizer`` (a
 directory / ``tokenizer.json`` / hub-free name; default: the one saved with the model, else GPT-2's
 built offline for the authors' GPT-2 stand-in config), ``dtype`` (default ``auto`` = as stored;
 ``float32`` on CPU for bf16 checkpoints), ``device`` (default cuda if available, else cpu; on the
@@ -32,7 +35,9 @@ pad positions' logits are discarded by HFLM. ``generate_until`` batches are left
 with their ``attention_mask``: :class:`~kvmeans.models.hf.KVMForCausalLM` strips each row's pads
 (every sequence starts at position 0, as alone). Results therefore do not depend on the batch size
 up to float rounding of differently shaped batched matmuls (tests: batch 1 vs 3, identical
-metrics and generations, log-likelihoods equal to 1e-5).
+metrics and generations, log-likelihoods equal to 1e-5). A converted transformers model refuses
+padding masks: its log-likelihood batches need none (right pads, causal), and its ``generate_until``
+rows run one at a time without their pads.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from ..models.convert import is_reference_checkpoint, reference_config_to_ours
 from ..models.hf import KVMConfig, KVMForCausalLM
+from ..cli import kvm_settings, load_model, parse_kvm_arg
 from ..utils.cli import run_main
 from .lm_eval_cli import MODEL_NAME, main, translate_args
 
@@ -78,10 +84,12 @@ def load_tokenizer_for(model_dir: str):
 
 
 class KVMLM(HFLM):
-    """lm-eval model ``kvm``: :class:`KVMForCausalLM` (our or the authors' layout) under ``HFLM``.
+    """lm-eval model ``kvm``: :class:`KVMForCausalLM` (our or the authors' layout) or a transformers causal
+    LM (converted, or converted here with ``kvm``) under ``HFLM``.
 
     Args:
         pretrained: model directory or a ``KVMForCausalLM`` instance.
+        kvm: a ``--kvm`` spec applied to a plain transformers folder (:func:`kvmeans.cli.load_model`).
         tokenizer: None (the model's), a path, or a ``PreTrainedTokenizerFast``.
         dtype: ``"auto"`` (as stored), ``"float32"``, ``"bfloat16"``, ... (directories only).
         device: None = cuda if available, else cpu.
@@ -89,7 +97,7 @@ class KVMLM(HFLM):
     """
 
     def __init__(self, pretrained: Any, tokenizer: Any = None, dtype: Any = "auto", device: Optional[str] = None,
-                 batch_size: Any = 1, max_length: Optional[int] = None, **kwargs):
+                 batch_size: Any = 1, max_length: Optional[int] = None, kvm: Optional[str] = None, **kwargs):
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(pretrained)
             if not os.path.isdir(pretrained):
@@ -102,6 +110,7 @@ class KVMLM(HFLM):
             raise ValueError("kvm: batch_size=auto probes with a max_length-token batch and KVM models have no "
                              "length limit (2**30); also pass max_length=N in --model_args, or use an integer "
                              "batch_size")
+        self._kvm = parse_kvm_arg(kvm)
         kwargs.pop("backend", None)
         kwargs.pop("trust_remote_code", None)      # our code is local: nothing remote to trust
         super().__init__(pretrained=pretrained, backend="causal", tokenizer=tokenizer, dtype=dtype,
@@ -110,11 +119,14 @@ class KVMLM(HFLM):
 
     # ---- loading ------------------------------------------------------------------------------
     def _get_config(self, pretrained: str, **kwargs) -> None:
+        raw = json.loads((Path(pretrained) / "config.json").read_text())
         if is_reference_checkpoint(pretrained):
-            raw = json.loads((Path(pretrained) / "config.json").read_text())
             self._config = KVMConfig.from_model_config(reference_config_to_ours(raw))
-        else:
+        elif raw.get("model_type") == KVMConfig.model_type:
             self._config = KVMConfig.from_pretrained(pretrained)
+        else:
+            from transformers import AutoConfig
+            self._config = AutoConfig.from_pretrained(pretrained)
 
     def _create_model(self, pretrained: str, dtype: Any = "auto", parallelize: bool = False, peft=None,
                       delta=None, autogptq=False, gptqmodel=False, gguf_file=None, tp_plan=None, **kwargs) -> None:
@@ -123,7 +135,7 @@ class KVMLM(HFLM):
         if unsupported:
             raise ValueError(f"kvm: model_args {sorted(unsupported)} are not supported for KVM models; drop them")
         dt = "auto" if dtype in (None, "auto") else get_dtype(dtype)
-        self._model = KVMForCausalLM.from_pretrained(pretrained, dtype=dt).to(self._device).eval()
+        self._model = load_model(pretrained, dt, self._device, self._kvm)
 
     def _create_tokenizer(self, pretrained: Any, tokenizer: Any, **kwargs) -> None:
         from transformers import PreTrainedTokenizerBase
@@ -162,12 +174,23 @@ class KVMLM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: List[str], **generation_kwargs):
         """``generate`` over a left-padded batch; ``attention_mask`` (passed by ``generate_until``)
         makes each row start at position 0 exactly as it would alone."""
+        pad = self.tokenizer.pad_token_id
         if generation_kwargs.get("attention_mask") is None:
-            pad = self.tokenizer.pad_token_id
             # only leading pads are padding (a prompt may legitimately contain the pad/eos id later)
             is_tok = (context != pad).long().cummax(dim=1).values if pad is not None else torch.ones_like(context)
             generation_kwargs["attention_mask"] = is_tok
-        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        if kvm_settings(self.model) is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        mask = generation_kwargs.pop("attention_mask").bool()      # converted: one row at a time, no pads
+        rows = []
+        for i in range(context.shape[0]):
+            pads = int((~mask[i]).sum())
+            ids = context[i:i + 1, pads:]
+            out = super()._model_generate(ids, max_length - pads, stop, attention_mask=torch.ones_like(ids),
+                                          **generation_kwargs)
+            rows.append(torch.cat([context[i, :pads], out[0]]))
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=0 if pad is None else pad) for r in rows])
 
 
 def _register() -> None:

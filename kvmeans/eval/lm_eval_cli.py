@@ -2,8 +2,9 @@
 (:mod:`kvmeans.eval.harness`).
 
 Arguments are checked here, before lm-eval, transformers and the model are imported (seconds):
-``--model DIR`` is shorthand for ``--model kvm --model_args pretrained=DIR``, and a ``--model`` or
-``pretrained=`` that names no folder is a one-line error.
+``--model DIR`` is shorthand for ``--model kvm --model_args pretrained=DIR``, ``--kvm SPEC`` for
+``--model_args kvm="SPEC"`` (convert a plain transformers folder after loading), and a ``--model`` or
+``pretrained=`` that names no folder, or a bad spec, is a one-line error.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
+from ..cli import parse_kvm_arg
 from ..utils.cli import UsageError
 
 __all__ = ["MODEL_NAME", "main", "translate_args"]
@@ -20,7 +22,8 @@ MODEL_NAME = "kvm"
 
 def translate_args(argv: Sequence[str]) -> List[str]:
     """lm-eval arguments with kvmeans' conveniences: ``--model DIR`` -> ``--model kvm --model_args
-    pretrained=DIR``; no ``--model`` -> ``--model kvm``; ``ls`` / ``validate`` pass through."""
+    pretrained=DIR``; ``--kvm SPEC`` -> ``--model_args kvm="SPEC"`` (checked here); no ``--model`` ->
+    ``--model kvm``; ``ls`` / ``validate`` pass through."""
     argv = list(argv)
     if argv and argv[0] in ("ls", "validate"):
         return argv
@@ -46,6 +49,14 @@ def translate_args(argv: Sequence[str]) -> List[str]:
                                  "(or an lm-eval model name such as kvm)")
             else:
                 out += ["--model", val]
+        elif name == "--kvm":
+            if not eq:
+                if i + 1 >= len(rest):
+                    raise UsageError("--kvm needs a value, e.g. --kvm budget=fixed:128,chunk_len=32")
+                val = rest[i + 1]
+                i += 1
+            parse_kvm_arg(val)
+            out += ["--model_args", f'kvm="{val}"']
         else:
             out.append(a)
         i += 1
@@ -78,6 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--tasks T [T ...] [lm-eval run options]\n\n"
               "Runs lm-evaluation-harness (`lm-eval run`) with the `kvm` model type registered.\n"
               "  --model DIR        shorthand for --model kvm --model_args pretrained=DIR\n"
+              "  --kvm SPEC         convert a plain transformers model folder after loading (kvmeans.parse_kvm_spec)\n"
               "  --model_args ...   pretrained=DIR, dtype=float32, tokenizer=PATH, max_length=N, device=cpu\n"
               "  --include_path P   extra task YAMLs (e.g. local tasks, no download)\n"
               "All other options are lm-eval's: see `kvmeans eval lm-eval run --help`.\n"
