@@ -123,7 +123,9 @@ def _generate(argv: List[str]) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32")
     p.add_argument("--cache-report", action="store_true", help="print the per-layer cache table")
+    add_kvm_argument(p)
     a = p.parse_args(argv)
+    kvm = parse_kvm_arg(a.kvm)
     if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         p.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     check_model_dir(a.model)
@@ -141,7 +143,7 @@ def _generate(argv: List[str]) -> int:
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
-    model = load_model(a.model, dtype, device)
+    model = load_model(a.model, dtype, device, kvm)
     ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         p.error("the prompt encodes to no tokens")
@@ -169,7 +171,10 @@ def _generate(argv: List[str]) -> int:
     cache = out.past_key_values
     print(f"\n\n[{n} tokens in {t1 - t0:.2f} s: {n / (t1 - t0):.1f} tok/s (prompt {ids.shape[1]} tokens, "
           f"first token after {first - t0:.2f} s{decode})]")
-    if cache is not None:
+    if cache is not None and not hasattr(cache, "mixers"):      # a transformers model's cache (converted or not)
+        from .models.hf_kvm_cache import cache_nbytes
+        print(f"[cache: {format_bytes(cache_nbytes(cache))}, {cache.get_seq_length()} tokens seen]")
+    elif cache is not None:
         print(f"[cache: {format_bytes(cache.nbytes)} over {len(cache.mixers)} layers "
               f"({', '.join(sorted(set(cache.mixers)))}), {cache.get_seq_length()} tokens seen]")
         if a.cache_report:

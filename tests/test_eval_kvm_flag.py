@@ -208,3 +208,19 @@ def test_lm_eval_kvm_flag_becomes_a_model_arg_and_a_bad_spec_is_one_line(llama_d
     assert eval_main(["lm-eval", "--model", str(llama_dir), "--kvm", "bogus=1", "--tasks", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kvm bogus=1" in err[0]
+
+
+def test_generate_kvm_on_a_plain_folder_reports_a_bounded_cache(llama_dir, capsys):
+    from kvmeans.cli import main as kvmeans_cli
+    prompt = " ".join(f"word{i}" for i in range(60))
+    sizes = {}
+    for name, extra in (("plain", []), ("small", ["--kvm", SMALL])):
+        assert kvmeans_cli(["generate", "--model", str(llama_dir), "--prompt", prompt, "--max-new-tokens", "8",
+                            *extra]) == 0
+        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[cache:")][0]
+        sizes[name] = line
+    n = len(gpt2_hf_tokenizer()(prompt)["input_ids"]) + 7          # the last token is not fed back
+    assert f"{n} tokens seen" in sizes["plain"] and f"{n} tokens seen" in sizes["small"]
+    assert sizes["plain"].startswith(f"[cache: {2 * 2 * 2 * n * 8 * 4 / 1024:.1f} KiB")
+    kib = {k: float(v.split()[1]) for k, v in sizes.items()}
+    assert sizes["small"].split()[2] == "KiB," and kib["small"] < kib["plain"] / 3     # 8 rows + window, not n
