@@ -112,8 +112,9 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def _generate(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvmeans generate", description="Generate text with a saved KVM model "
-                                "(streams tokens, then prints tokens/s and the cache's memory)")
+    p = argparse.ArgumentParser(prog="kvmeans generate", description="Generate text with a saved model (KVM, or "
+                                "transformers: --kvm converts it; streams tokens, then prints tokens/s and the "
+                                "cache's memory)")
     p.add_argument("--model", required=True, help="model directory (ours or the authors' layout) with a tokenizer")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)

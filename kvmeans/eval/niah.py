@@ -226,7 +226,7 @@ def write_results(results: Dict[str, Any], out: os.PathLike) -> Path:
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="kvmeans eval niah", description="RULER needle-in-a-haystack (niah_single_1/2/3), "
                                 "data generated offline with the model's tokenizer; greedy; string_match_all x100")
-    p.add_argument("--model", required=True, help="model directory (ours or the authors' layout) with its tokenizer")
+    p.add_argument("--model", required=True, help="model directory (ours, the authors' layout or transformers) with its tokenizer")
     p.add_argument("--tasks", nargs="+", default=list(ruler.TASKS), choices=list(ruler.TASKS),
                    help="default: all three")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384, 32768],

@@ -288,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Mean loss per position block over documents at least --ctx tokens "
                                             "long; several models in one plot (JSON, CSV, PNG).")
     p.add_argument("--model", action="append", required=True, metavar="DIR",
-                   help="model directory (ours or the authors' layout); repeat for several models")
+                   help="model directory (ours, the authors' layout or transformers); repeat for several models")
     p.add_argument("--label", action="append", default=None, help="curve label per --model (default: folder name)")
     p.add_argument("--data", required=True, help="KVMTOK1 token file, or a `kvmeans data prepare` folder")
     p.add_argument("--split", default="val", help="which <split>.bin of a --data folder (default val)")
