@@ -13,3 +13,12 @@ if not torch.cuda.is_available():
 def _seed_and_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """One torch thread for a whole module (its timings and reductions do not depend on the core count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -15,12 +15,7 @@ WIDE = "budget=fixed:64,chunk_len=256,n_bswa_chunks=4,sink_len=4"      # window 
 SMALL = "budget=fixed:8,chunk_len=8,n_bswa_chunks=2,sink_len=2"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

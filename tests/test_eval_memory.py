@@ -19,12 +19,7 @@ from kvmeans.ops.budget import StateBudget  # noqa: E402
 from kvmeans.ops.schedule import rows_after  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def tiny(**kw) -> KVMForCausalLM:
