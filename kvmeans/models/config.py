@@ -13,7 +13,7 @@ from ..ops.budget import StateBudget
 from ..ops.kvm import NUMERICS
 from ..utils.fields import check_field_types
 
-MIXERS = ("kvm", "full", "swa", "bswa", "ovq")
+MIXERS = ("kvm", "full", "swa", "bswa", "ovq", "rwkv7")
 
 
 def budget_from_dict(spec: Dict[str, Any]) -> StateBudget:
@@ -102,6 +102,7 @@ class KVMModelConfig:
     bswa_sink_len: int = 0
     ovq_chunk_len: int = 256
     ovq_max_centroids: int = 1024
+    rwkv7_chunk_size: int = 64                   # chunk of RWKV-7's chunked path (CPU/training; fla on CUDA)
     # GPTAlpha-2 preparation
     token_shift: bool = True
     mlp_token_shift: bool = True
@@ -124,7 +125,7 @@ class KVMModelConfig:
         if self.mixer_types is not None:
             self.mixer_types = list(self.mixer_types)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "chunk_len", "n_bswa_chunks",
-                     "swa_window", "bswa_chunks", "ovq_chunk_len", "ovq_max_centroids"):
+                     "swa_window", "bswa_chunks", "ovq_chunk_len", "ovq_max_centroids", "rwkv7_chunk_size"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}", "use a positive size")
         for name in ("num_kv_heads", "head_dim"):
@@ -149,6 +150,7 @@ class KVMModelConfig:
             for t in self.mixer_types:
                 if t not in MIXERS:
                     bad("mixer_types", f"unknown mixer {t!r}", f"choose from {MIXERS}")
+        self._check_rwkv7()
         if self.sink_len < 0 or self.bswa_sink_len < 0:
             bad("sink_len" if self.sink_len < 0 else "bswa_sink_len", "must be >= 0", "use 0 for no sinks")
         if "kvm" in self.mixer_per_layer() and self.sink_len >= self.chunk_len:
@@ -171,6 +173,23 @@ class KVMModelConfig:
             r = getattr(self, name)
             if r is not None and (r < 0 or r % 2 or r > self.qk_head_dim):
                 bad(name, f"{r} must be even and in [0, head_dim={self.qk_head_dim}]", "pick an even channel count")
+
+    def _check_rwkv7(self) -> None:
+        """RWKV-7 runs on its own backbone (the paper's baseline): every layer or none, heads of hidden/num_heads."""
+        kinds = self.mixer_per_layer()
+        if "rwkv7" not in kinds:
+            return
+        if set(kinds) != {"rwkv7"}:
+            name = "mixer_types" if self.mixer_types is not None else "alt_mixer"
+            raise ValueError(f"KVMModelConfig.{name}: rwkv7 layers cannot be mixed with {sorted(set(kinds) - {'rwkv7'})} "
+                             "(RWKV-7 has its own backbone: token shift on x, value residual from layer 0's value); "
+                             "use mixer='rwkv7' alone")
+        if self.head_dim is not None and self.head_dim * self.num_heads != self.hidden_size:
+            raise ValueError(f"KVMModelConfig.head_dim: RWKV-7 heads split hidden_size={self.hidden_size} into "
+                             f"num_heads={self.num_heads}, got head_dim={self.head_dim}; leave head_dim=None")
+        if self.kv_heads != self.num_heads:
+            raise ValueError(f"KVMModelConfig.num_kv_heads: RWKV-7 has no grouped heads, got {self.kv_heads} for "
+                             f"num_heads={self.num_heads}; leave num_kv_heads=None")
 
     @property
     def qk_head_dim(self) -> int:
@@ -233,8 +252,11 @@ _ARCHS = {
     "bswa": dict(mixer="bswa"),
     "ovq-swa": dict(mixer="ovq", alt_mixer="swa", alt_every=2),
 }
+_RWKV7_SIZES = {"120m": dict(num_heads=12), "350m": dict(num_heads=16)}   # head_dim 64, RWKV-7's
+
 PRESETS: Dict[str, Dict[str, Any]] = {f"{a}-{s}": {**size, **arch} for a, arch in _ARCHS.items()
                                       for s, size in _SIZES.items()}
+PRESETS.update({f"rwkv7-{s}": {**size, **_RWKV7_SIZES[s], "mixer": "rwkv7"} for s, size in _SIZES.items()})
 PRESETS["tiny-cpu"] = dict(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, chunk_len=32,
                            budget={"kind": "power_law", "factor": 4.0, "exponent": 0.5, "min_len": 32},
                            swa_window=32, ovq_chunk_len=32, ovq_max_centroids=128)

@@ -18,6 +18,7 @@ from ..layers.attention import AttentionConfig, KVMAttention, KVMAttentionConfig
 from ..layers.baselines import (BlockSlidingWindowAttention, BSWAConfig, FullAttention, SlidingWindowAttention,
                                 SWAConfig)
 from ..layers.ovq import OVQAttention, OVQConfig
+from ..layers.rwkv7 import RWKV7Config, RWKV7TimeMix
 from .cache import ModelCache
 from .config import KVMModelConfig, preset
 from .mlp import MLP
@@ -50,6 +51,10 @@ def build_mixer(config: KVMModelConfig, i: int) -> nn.Module:
     if kind == "ovq":  # no RoPE, no qk-LN whatever the stream's settings (reference 4.11)
         return OVQAttention(OVQConfig(**common, chunk_len=config.ovq_chunk_len,
                                       max_centroids=config.ovq_max_centroids))
+    if kind == "rwkv7":  # its own token shift and value residual (reference 4.12)
+        return RWKV7TimeMix(RWKV7Config(hidden_size=config.hidden_size, num_heads=config.num_heads, layer_idx=i,
+                                        num_layers=config.num_layers, value_residual=config.value_residual,
+                                        chunk_size=config.rwkv7_chunk_size))
     raise ValueError(f"layer {i}: unknown mixer {kind!r}")
 
 
@@ -111,10 +116,13 @@ class KVMModel(nn.Module):
         for i, s in enumerate(self._stream):
             self._first.setdefault(s, i)
 
-    def value_anchors(self, x0: Tensor) -> Dict[str, Optional[Tensor]]:
-        """Per stream ``v_first [B, T, Hkv*Dv]``: the stream's first layer's ``c_v(ln_attn(x0))``."""
+    def value_anchors(self, x0: Tensor, cache: Optional[ModelCache] = None) -> Dict[str, Optional[Tensor]]:
+        """Per stream ``v_first [B, T, Hkv*Dv]``: the stream's first layer's ``c_v(ln_attn(x0))`` (RWKV-7: layer
+        0's token-shifted value, continuing ``cache``)."""
         if not self.config.value_residual:
             return dict.fromkeys(self._first)
+        if isinstance(self.h[0].attn, RWKV7TimeMix):      # an RWKV-7 model: every layer is one
+            return {"main": self.h[0].attn.value_anchor(self.h[0].ln_attn(x0), None if cache is None else cache.layers[0])}
         return {s: self.h[i].attn.c_v(self.h[i].ln_attn(x0)) for s, i in self._first.items()}
 
     def forward(self, input_ids: Tensor, cache: Optional[ModelCache] = None, output_hidden_states: bool = False):
@@ -133,7 +141,7 @@ class KVMModel(nn.Module):
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch "
                              f"{input_ids.shape[0]}; index_select the cache for beams")
         x0 = self.ln_emb(self.wte(input_ids))
-        anchors = self.value_anchors(x0)
+        anchors = self.value_anchors(x0, cache)
         x, states = x0, [x0]
         for i, block in enumerate(self.h):
             x, cache.layers[i], cache.mlp_shift[i] = block(x, cache.layers[i], cache.mlp_shift[i],
