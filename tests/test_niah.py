@@ -212,7 +212,7 @@ def test_small_lengths_terminate_or_raise_a_clear_error(tok):
     with pytest.raises(ValueError, match=r"use --lengths >= \d+"):
         ruler.generate_samples("niah_single_3", 200, 1, tok)
     with pytest.raises(ValueError, match="--tasks"):
-        ruler.generate_samples("niah_multikey_1", 4096, 1, tok)
+        ruler.generate_samples("niah_single_4", 4096, 1, tok)
 
 
 # ---- scorer ----------------------------------------------------------------------------------------------------

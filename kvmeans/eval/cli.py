@@ -9,6 +9,8 @@ from ..utils.cli import run_subcommand
 TASKS: Dict[str, Tuple[str, str]] = {
     "niah": ("kvmeans.eval.niah", "RULER needle-in-a-haystack (niah_single_1/2/3), generated offline: "
              "`kvmeans eval niah --model DIR --lengths 4096 8192`"),
+    "ruler": ("kvmeans.eval.ruler_cli", "RULER's synthetic tasks (8 NIAH, vt, cwe, fwe), generated offline, and their "
+              "average per length: `kvmeans eval ruler --model DIR --lengths 4096`"),
     "position-loss": ("kvmeans.eval.position_loss", "mean loss per position block over long documents, several "
                       "models in one plot: `kvmeans eval position-loss --model DIR --data TOKENS`"),
     "lm-eval": ("kvmeans.eval.lm_eval_cli", "run lm-evaluation-harness tasks with the registered `kvm` model: "

@@ -1,7 +1,7 @@
-"""RULER needle-in-a-haystack data (niah_single_1/2/3), generated offline, and its scorer. No model here.
+"""RULER needle-in-a-haystack data (the eight niah_* tasks), generated offline, and its scorer. No model here.
 
 A port of NVIDIA RULER's ``scripts/data/synthetic/niah.py`` (current HEAD) for the three single-needle
-tasks of the paper's Table (RULER ``scripts/synthetic.yaml``):
+tasks of the paper's Table (RULER ``scripts/synthetic.yaml``; :data:`TASKS`, what ``kvmeans eval niah`` runs):
 
 ============== ============================== ========== ================== ==============
 task           haystack                       key        value              table label
@@ -10,6 +10,19 @@ niah_single_1  ``noise``: a filler repeated   word       7-digit number     NIAH
 niah_single_2  ``essay``                      word       7-digit number     NIAH-S2
 niah_single_3  ``essay``                      word       UUID4              NIAH-S3
 ============== ============================== ========== ================== ==============
+
+and the five multi-needle tasks of ``kvmeans eval ruler`` (:data:`NIAH_TASKS` adds them; ``needle`` = a
+haystack of distractor needle sentences with random keys and values, drawn from the same stream):
+
+================ ========== ======= ======= ========================
+task             haystack   key     value   needles (k / v / q)
+================ ========== ======= ======= ========================
+niah_multikey_1  essay      word    number  4 keys, 1 queried
+niah_multikey_2  needle     word    number  1 (the rest: distractors)
+niah_multikey_3  needle     UUID    UUID    1 (the rest: distractors)
+niah_multivalue  essay      word    number  4 values of one key
+niah_multiquery  essay      word    number  4 keys, all 4 queried
+================ ========== ======= ======= ========================
 
 Reproduced exactly: the needle sentence (:data:`NEEDLE`), the task template and answer prefix
 (:data:`TEMPLATE`, :data:`ANSWER_PREFIX`) with RULER's singularisation for one value ("Some"->"A",
@@ -20,7 +33,8 @@ keys (sorted unique "adjective-noun" over wonderwords' ``adjectivelist.txt`` x `
 ``np.round(np.linspace(0, 100, 40))``), the essay handling (whitespace-normalised words, the first N words,
 the text repeated when more words are needed than exist, needle inserted between two sentences at
 ``int(num_sentences * depth / 100)``), the noise handling (``[NOISE] * N`` lines, needle inserted at a
-random line, joined by ``"\\n"``) and RULER's order of random draws.
+random line, joined by ``"\\n"``), the needle handling (``N`` distractor needle lines, each with a fresh random
+key and value, then the needles inserted as for noise) and RULER's order of random draws.
 
 **Budget** (the model's own tokenizer, no special tokens added, as RULER's ``text_to_tokens``):
 ``tokens(input + answer_prefix) + tokens_to_generate <= max_length`` (``tokens_to_generate`` = 128);
@@ -28,7 +42,7 @@ random line, joined by ``"\\n"``) and RULER's order of random draws.
 is given (lm-eval's ``input + " " + gen_prefix``).
 
 **Haystack-size rule: RULER's binary search** (not lm-eval's linear increments). Per (task, length):
-``incremental`` = 500 words (essay) or 25 lines (noise; 5 below 4096 tokens); estimate tokens per unit
+``incremental`` = 500 words (essay) or 25 lines (noise, needle; 5 below 4096 tokens); estimate tokens per unit
 from one sample of ``incremental`` units; binary-search ``N`` in ``[incremental, max(3 * L / per_unit,
 2 * incremental)]`` for the largest size whose probe sample fits. Each sample then starts at ``N`` and
 shrinks by ``incremental`` (re-drawing, as RULER does) until it fits. The search result is maximal:
@@ -80,10 +94,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["TASKS", "TASK_LABELS", "NEEDLE", "TEMPLATE", "ANSWER_PREFIX", "NOISE", "DEPTHS", "TOKENS_TO_GENERATE",
+__all__ = ["TASKS", "TASK_LABELS", "NIAH_TASKS", "NIAH_LABELS", "NEEDLE", "TEMPLATE", "ANSWER_PREFIX", "NOISE", "DEPTHS", "TOKENS_TO_GENERATE",
            "DEFAULT_SEED", "WORD_KEYS_SHA256", "BUILTIN_HAYSTACK", "word_keys", "split_sentences", "EssayHaystack",
            "builtin_haystack", "load_haystack", "token_counter", "generate_input_output", "fit_haystack",
-           "generate_samples", "postprocess_pred", "string_match_all"]
+           "generate_samples", "postprocess_pred", "string_match_all", "string_match_part"]
 
 # ---- RULER's constants (scripts/data/synthetic/constants.py, niah.py, synthetic.yaml) -------------------------
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -104,6 +118,20 @@ TASKS: Dict[str, Dict[str, str]] = {
     "niah_single_3": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "uuids"},
 }
 TASK_LABELS = {"niah_single_1": "NIAH-S1", "niah_single_2": "NIAH-S2", "niah_single_3": "NIAH-S3"}
+# all eight RULER NIAH tasks (``kvmeans eval ruler``); TASKS above stays what ``kvmeans eval niah`` runs
+NIAH_TASKS: Dict[str, Dict[str, Any]] = {
+    **TASKS,
+    "niah_multikey_1": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_k": 4},
+    "niah_multikey_2": {"type_haystack": "needle", "type_needle_k": "words", "type_needle_v": "numbers"},
+    "niah_multikey_3": {"type_haystack": "needle", "type_needle_k": "uuids", "type_needle_v": "uuids"},
+    "niah_multivalue": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_v": 4},
+    "niah_multiquery": {"type_haystack": "essay", "type_needle_k": "words", "type_needle_v": "numbers",
+                        "num_needle_q": 4},
+}
+NIAH_LABELS = {**TASK_LABELS, "niah_multikey_1": "NIAH-MK1", "niah_multikey_2": "NIAH-MK2",
+               "niah_multikey_3": "NIAH-MK3", "niah_multivalue": "NIAH-MV", "niah_multiquery": "NIAH-MQ"}
 
 # sha256 of "\n".join(word_keys()) for wonderwords 3.0.1 (6,171,620 keys = 910 adjectives x 6,782 nouns)
 WORD_KEYS_SHA256 = "e5e6a09ed20903cb4abfcde8b89d1a40d4133a6fcff97001c690c21d97af3007"
@@ -334,7 +362,7 @@ def generate_input_output(rng: random.Random, num_haystack: int, haystack: Union
                           ) -> Tuple[str, str, List[str], str, float]:
     """RULER's ``generate_input_output`` with its draws from ``rng``: ``(input, answer_prefix, answers,
     query, depth)``. ``input + answer_prefix`` is the prompt. ``depth``: the essay depth drawn from
-    :data:`DEPTHS` (percent), or for noise ``100 * line / num_haystack`` (first needle)."""
+    :data:`DEPTHS` (percent), or for noise/needle ``100 * line / num_haystack`` (first needle)."""
     num_needle_k = max(num_needle_k, num_needle_q)
     keys, values, needles = [], [], []
     for _ in range(num_needle_k):
@@ -359,17 +387,21 @@ def generate_input_output(rng: random.Random, num_haystack: int, haystack: Union
                 parts.append(needles[i - 1])
         context = " ".join(parts)
         depth = float(drawn[0])
-    elif type_haystack == "noise":
+    elif type_haystack in ("noise", "needle"):
         if not isinstance(haystack, str):
-            raise TypeError("the noise haystack is one filler string")
-        lines = [haystack] * num_haystack
+            raise TypeError(f"the {type_haystack} haystack is one string (NOISE or NEEDLE)")
+        if type_haystack == "noise":
+            lines = [haystack] * num_haystack
+        else:                                          # distractors: RULER draws key then value, line by line
+            lines = [haystack.format(type_needle_v=type_needle_v, key=_random_value(rng, type_needle_k),
+                                     value=_random_value(rng, type_needle_v)) for _ in range(num_haystack)]
         indexes = sorted(rng.sample(range(num_haystack), len(needles)), reverse=True)   # ValueError if too few
         for index, needle in zip(indexes, needles):
             lines.insert(index, needle)
         context = "\n".join(lines)
         depth = round(100 * indexes[-1] / num_haystack, 2)
     else:
-        raise ValueError(f"haystack type must be 'noise' or 'essay', got {type_haystack!r}")
+        raise ValueError(f"haystack type must be 'noise', 'needle' or 'essay', got {type_haystack!r}")
 
     indices = rng.sample(range(num_needle_k), num_needle_q)
     queries = [keys[i] for i in indices]
@@ -439,15 +471,15 @@ def generate_samples(task: str, max_length: int, num_samples: int, tokenizer, *,
     ``tokens_to_generate``), ``max_length``, ``answer_prefix`` (RULER's, leading space), ``gen_prefix``
     (lm-eval's, no leading space), ``query``, ``depth`` (percent), ``num_haystack`` (units used).
     """
-    if task not in TASKS:
-        raise ValueError(f"--tasks: unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if task not in NIAH_TASKS:
+        raise ValueError(f"--tasks: unknown task {task!r}; choose from {', '.join(NIAH_TASKS)}")
     if num_samples < 1:
         raise ValueError(f"--samples must be >= 1, got {num_samples}")
     if max_length <= tokens_to_generate:
         raise _too_small(task, max_length, None, tokens_to_generate)
-    spec = TASKS[task]
+    spec = NIAH_TASKS[task]
     kind = spec["type_haystack"]
-    hay: Union[str, EssayHaystack] = NOISE if kind == "noise" else (haystack or builtin_haystack())
+    hay: Union[str, EssayHaystack] = {"noise": NOISE, "needle": NEEDLE}.get(kind) or haystack or builtin_haystack()
     count = token_counter(tokenizer)
     rng = random.Random(seed)
 
@@ -501,10 +533,7 @@ def postprocess_pred(pred: str) -> str:
     return _CONTROL.sub("\n", pred.strip()).strip()
 
 
-def string_match_all(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> Tuple[float, List[float]]:
-    """RULER's ``string_match_all``: ``(100 * mean fraction, rounded to 2 dp; per-sample fractions)``; a
-    sample's fraction is the share of its references found case-insensitively in its (post-processed)
-    prediction."""
+def _string_match(preds: Sequence[str], refs: Sequence[Sequence[str]], part: bool) -> Tuple[float, List[float]]:
     if len(preds) != len(refs):
         raise ValueError(f"{len(preds)} predictions for {len(refs)} reference lists")
     if not preds:
@@ -514,5 +543,19 @@ def string_match_all(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> Tup
         if not ref:
             raise ValueError("a sample has no reference strings")
         p = postprocess_pred(pred).lower()
-        per.append(sum(1.0 for r in ref if r.lower() in p) / len(ref))
+        found = [r.lower() in p for r in ref]
+        per.append(float(any(found)) if part else sum(found) / len(ref))
     return round(sum(per) / len(per) * 100, 2), per
+
+
+def string_match_all(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> Tuple[float, List[float]]:
+    """RULER's ``string_match_all``: ``(100 * mean fraction, rounded to 2 dp; per-sample fractions)``; a
+    sample's fraction is the share of its references found case-insensitively in its (post-processed)
+    prediction."""
+    return _string_match(preds, refs, part=False)
+
+
+def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> Tuple[float, List[float]]:
+    """RULER's ``string_match_part`` (the QA tasks): as :func:`string_match_all` but a sample scores 1 when
+    any one of its references is found (RULER's max over references), else 0."""
+    return _string_match(preds, refs, part=True)

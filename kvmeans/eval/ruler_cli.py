@@ -1,0 +1,252 @@
+"""``kvmeans eval ruler``: RULER's synthetic tasks on a causal LM, generated offline with its tokenizer.
+
+    kvmeans eval ruler --model DIR --lengths 4096 8192 [--tasks niah_single_1 vt cwe ...] [--samples 500]
+
+Data: :mod:`kvmeans.eval.ruler_tasks` (the eight NIAH tasks, ``vt``, ``cwe``, ``fwe``; RULER's templates,
+samplers, seed 42 and budget ``tokens(prompt) + tokens_to_generate <= length`` with the model's tokenizer).
+The prompt is ``input + answer_prefix``; greedy decoding of up to the task's ``tokens_to_generate`` (128 /
+30 / 120 / 50), stopping at EOS; score = the task's RULER metric x100 per (task, length). Batching, padding
+and converted models (``--kvm SPEC``: one prompt at a time) as in ``kvmeans eval niah``.
+
+The RULER average per length is the mean over the tasks that ran at that length; the paper's "RULER avg"
+is over all 13 tasks (with qa_1 / qa_2, not generated here), so the table, the CSV and the JSON say which
+tasks it covers. Output: ``ruler.json`` (config, haystack, per-(task, length) scores, averages, per-sample
+predictions) and ``ruler.csv`` (``task,length,samples,metric,score``; one ``ruler_avg`` row per length) in
+``--out`` (default ``results/ruler/<model>-<timestamp>``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..cli import (_load_tokenizer, _need_hf, add_kvm_argument, check_model_dir, kvm_settings, load_model,
+                   parse_kvm_arg)
+from ..utils.cli import check_device, check_out_dir
+from ..utils.io import atomic_write_text
+from . import ruler, ruler_tasks as rt
+from .niah import _col, _generate, _progress
+
+__all__ = ["run_ruler", "averages", "format_table", "write_results", "main"]
+
+
+def _essay_tasks(tasks: Sequence[str]) -> bool:
+    return any(ruler.NIAH_TASKS.get(t, {}).get("type_haystack") == "essay" for t in tasks)
+
+
+def _check_args(tasks, lengths, samples, batch_size, max_new_tokens):
+    for t in tasks:
+        rt.check_task(t)
+    if not tasks:
+        raise ValueError("--tasks: give at least one task")
+    if not lengths:
+        raise ValueError("--lengths: give at least one length, e.g. --lengths 4096 8192")
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1 (it only caps each task's RULER budget), got {max_new_tokens}")
+
+
+def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengths: Sequence[int] = (4096,),
+              samples: int = 500, batch_size: int = 8, seed: int = ruler.DEFAULT_SEED,
+              haystack_file: Optional[str] = None, max_new_tokens: Optional[int] = None,
+              progress: bool = True) -> Dict[str, Any]:
+    """Generate RULER data for ``tasks`` x ``lengths`` with ``tokenizer`` and score ``model``; the results dict.
+
+    ``model``/``tokenizer`` as :func:`kvmeans.eval.niah.run_niah`. ``max_new_tokens`` caps every task's
+    ``tokens_to_generate`` (smoke tests; the data keep RULER's budgets). Result keys: ``config``,
+    ``haystack``, ``scores`` (per (task, length): ``task``, ``label``, ``length``, ``samples``, ``metric``,
+    ``score``, ``mean_length``, ``max_prompt_tokens``), ``averages`` (see :func:`averages`), ``samples``.
+    """
+    tasks, lengths = list(dict.fromkeys(tasks)), [int(n) for n in lengths]
+    _check_args(tasks, lengths, samples, batch_size, max_new_tokens)
+    hay = (ruler.load_haystack(haystack_file) if haystack_file else ruler.builtin_haystack()) \
+        if _essay_tasks(tasks) else None
+    bar = _progress(len(tasks) * len(lengths) * samples, progress)
+    scores, per_sample = [], []
+    t0 = time.perf_counter()
+    try:
+        for task in tasks:
+            budget = rt.TOKENS_TO_GENERATE[task]
+            for length in lengths:
+                if bar is not None:
+                    bar.set_description(f"{rt.LABELS[task]} {length}: data")
+                recs = rt.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay)
+                if bar is not None:
+                    bar.set_description(f"{rt.LABELS[task]} {length}")
+                ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
+                n_tok = [len(x) for x in ids]
+                over = [i for i, n in enumerate(n_tok) if n + budget > length]
+                if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
+                    raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
+                                       f"over the budget {length} - {budget}")
+                new = budget if max_new_tokens is None else min(budget, max_new_tokens)
+                preds = _generate(model, tokenizer, ids, batch_size, new, bar)
+                score, per = rt.score(task, preds, [r["outputs"] for r in recs])
+                scores.append({"task": task, "label": rt.LABELS[task], "length": length, "samples": len(recs),
+                               "metric": rt.METRICS[task], "score": score, "max_new_tokens": new,
+                               "mean_length": round(sum(r["length"] for r in recs) / len(recs), 1),
+                               "max_prompt_tokens": max(n_tok)})
+                for r, p, v in zip(recs, preds, per):
+                    per_sample.append({"task": task, "length": length, "index": r["index"], "tokens": r["length"],
+                                       "num_haystack": r["num_haystack"], "outputs": r["outputs"], "pred": p,
+                                       "score": v, "input_sha256": hashlib.sha256(r["input"].encode("utf-8")).hexdigest()})
+    finally:
+        if bar is not None:
+            bar.close()
+    config = {"tasks": tasks, "lengths": lengths, "samples": samples, "batch_size": batch_size, "seed": seed,
+              "max_new_tokens": max_new_tokens, "tokens_to_generate": {t: rt.TOKENS_TO_GENERATE[t] for t in tasks},
+              "metrics": {t: rt.METRICS[t] for t in tasks}, "decoding": "greedy",
+              "seeding": f"RULER: fresh random.Random({seed}) (and numpy RandomState({seed}) for vt) per (task, length)",
+              "sentence_splitter": "kvmeans regex splitter (not NLTK punkt)", "word_keys_sha256": ruler.WORD_KEYS_SHA256,
+              "tokenizer": type(tokenizer).__name__, "tokenizer_name": getattr(tokenizer, "name_or_path", None),
+              "elapsed_s": round(time.perf_counter() - t0, 2)}
+    return {"config": config, "haystack": hay.describe() if hay is not None else None, "scores": scores,
+            "averages": averages(scores), "samples": per_sample}
+
+
+def averages(scores: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per length: the mean score over the tasks that ran (``score``), those ``tasks``, ``missing`` (RULER's
+    13 minus them) and ``complete`` (all 13 ran: comparable with the paper's "RULER avg")."""
+    out = []
+    for length in sorted({s["length"] for s in scores}):
+        rows = [s for s in scores if s["length"] == length]
+        ran = [s["task"] for s in rows]
+        out.append({"length": length, "score": round(sum(s["score"] for s in rows) / len(rows), 2), "tasks": ran,
+                    "n_tasks": len(ran), "missing": [t for t in rt.RULER_TASKS if t not in ran],
+                    "complete": len(set(ran)) == len(rt.RULER_TASKS)})
+    return out
+
+
+def _coverage(avg: Dict[str, Any]) -> str:
+    if avg["complete"]:
+        return f"all {len(rt.RULER_TASKS)} RULER tasks (comparable with the paper's RULER avg)"
+    return (f"{avg['n_tasks']} of RULER's {len(rt.RULER_TASKS)} tasks, missing {', '.join(avg['missing'])}: "
+            "NOT comparable with the paper's RULER avg (all 13)")
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    """Rows = tasks (RULER's order), columns = lengths then the row mean; last row the RULER average."""
+    lengths = sorted({s["length"] for s in results["scores"]})
+    builtin = bool((results.get("haystack") or {}).get("builtin"))
+    cell = {(s["task"], s["length"]): s["score"] for s in results["scores"]}
+    head = ["task"] + [_col(n) for n in lengths] + ["mean"]
+    rows = []
+
+    def row(label, vals):
+        got = [v for v in vals if v is not None]
+        return [label] + ["-" if v is None else f"{v:.2f}" for v in vals] + \
+            [f"{sum(got) / len(got):.2f}" if got else "-"]
+
+    for task in [t for t in rt.RULER_TASKS if any(k[0] == t for k in cell)]:
+        essay = ruler.NIAH_TASKS.get(task, {}).get("type_haystack") == "essay"
+        rows.append(row(rt.LABELS[task] + ("*" if builtin and essay else ""), [cell.get((task, n)) for n in lengths]))
+    avg = {a["length"]: a for a in results["averages"]}
+    rows.append(row("RULER avg", [avg[n]["score"] for n in lengths]))
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+    def fmt(r):
+        return "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+
+    lines = [fmt(head)] + [fmt(r) for r in rows[:-1]] + ["-" * len(fmt(head)), fmt(rows[-1])]
+    n = {s["samples"] for s in results["scores"]}
+    lines.append(f"RULER metrics x100 (string_match_all; QA: string_match_part), "
+                 f"{'/'.join(map(str, sorted(n)))} samples per cell, greedy")
+    for text in dict.fromkeys(_coverage(a) for a in results["averages"]):
+        lines.append(f"RULER avg over {text}")
+    if builtin and any(r[0].endswith("*") for r in rows):
+        lines.append("* essay haystack = kvmeans' built-in Shakespeare distractor corpus, NOT RULER's Paul Graham "
+                     "essays: not comparable with the paper (use --haystack-file)")
+    return "\n".join(lines)
+
+
+def write_results(results: Dict[str, Any], out: os.PathLike) -> Path:
+    """Write ``ruler.json`` and ``ruler.csv`` (``task,length,samples,metric,score`` + ``ruler_avg`` rows) atomically."""
+    d = Path(out)
+    atomic_write_text(d / "ruler.json", json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "length", "samples", "metric", "score"])
+    for s in results["scores"]:
+        w.writerow([s["task"], s["length"], s["samples"], s["metric"], f"{s['score']:.2f}"])
+    for a in results["averages"]:
+        w.writerow(["ruler_avg", a["length"], "", f"mean of {a['n_tasks']}/{len(rt.RULER_TASKS)} tasks: "
+                    + " ".join(a["tasks"]), f"{a['score']:.2f}"])
+    atomic_write_text(d / "ruler.csv", buf.getvalue())
+    return d
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvmeans eval ruler", description="RULER's synthetic tasks (8 NIAH, vt, cwe, "
+                                "fwe), data generated offline with the model's tokenizer; greedy; RULER's metrics "
+                                "x100 and their average per length")
+    p.add_argument("--model", required=True, help="model directory (ours, the authors' layout or transformers) with its tokenizer")
+    p.add_argument("--tasks", nargs="+", default=list(rt.SYNTHETIC_TASKS), metavar="TASK",
+                   help=f"default: the {len(rt.SYNTHETIC_TASKS)} synthetic tasks: {' '.join(rt.SYNTHETIC_TASKS)} "
+                        "(qa_1/qa_2 are not generated: they need SQuAD/HotpotQA)")
+    p.add_argument("--lengths", nargs="+", type=int, default=[4096],
+                   help="total lengths in tokens: prompt + the task's generated tokens (default: 4096)")
+    p.add_argument("--samples", type=int, default=500, help="samples per (task, length) (RULER: 500)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
+    p.add_argument("--seed", type=int, default=ruler.DEFAULT_SEED, help="RULER's random seed (default 42)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto (default): bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--haystack-file", default=None,
+                   help="essay haystack for the essay NIAH tasks: RULER's PaulGrahamEssays.json or a .txt; "
+                        "default: the built-in Shakespeare distractor corpus (not comparable with the paper)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated tokens (default: each task's RULER budget; fewer only for smoke tests)")
+    p.add_argument("--out", default=None, help="folder for ruler.json and ruler.csv "
+                                               "(default: results/ruler/<model>-<timestamp>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_kvm_argument(p)
+    a = p.parse_args(argv)
+    prog = "kvmeans eval ruler"
+    kvm = parse_kvm_arg(a.kvm)
+    try:
+        _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
+    except ValueError as err:
+        p.error(str(err))
+    check_model_dir(a.model)
+    if a.device is not None:
+        check_device("--device", a.device)
+    if a.out is not None:
+        check_out_dir("--out", a.out)
+    if not _need_hf("eval ruler", extra="eval"):
+        return 2
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    try:
+        tok = _load_tokenizer(a.model)
+        hay = (ruler.load_haystack(a.haystack_file) if a.haystack_file else ruler.builtin_haystack()) \
+            if _essay_tasks(a.tasks) else None
+        for task in dict.fromkeys(a.tasks):   # fail fast (before loading the model) on lengths too small
+            rt.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
+    hf_logging.disable_progress_bar()
+    model = load_model(a.model, getattr(torch, dtype), device, kvm)
+    results = run_ruler(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
+                        a.max_new_tokens, progress=not a.no_progress)
+    results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
+                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model)})
+    name = Path(os.path.abspath(a.model)).name or "model"
+    out = Path(a.out) if a.out else Path("results") / "ruler" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    write_results(results, out)
+    print(format_table(results))
+    print(f"results: {out}{os.sep}ruler.json, ruler.csv" if a.out else f"results (default folder): {out}")
+    return 0
