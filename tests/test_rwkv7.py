@@ -113,6 +113,25 @@ def test_recurrent_refuses_autograd_and_chunk_refuses_overflowing_decay():
     assert torch.isfinite(o).all()
 
 
+@pytest.mark.parametrize("agree", [True, False])
+def test_fla_is_used_only_after_agreeing_with_the_chunked_path(monkeypatch, agree):
+    import kvmeans.ops.rwkv7.fla_backend as fb
+    from kvmeans.ops.rwkv7.chunk import rwkv7_chunk
+
+    def fake_fla(r, w, k, v, a, b, initial_state=None, chunk=True):   # stands in for the kernels (no CUDA here)
+        o, s = rwkv7_chunk(r, w if agree else -w.exp(), k, v, a, b, initial_state)    # as a raw-decay fla reads w
+        return o, s
+    monkeypatch.setattr(fb, "fla_available", lambda: True)
+    monkeypatch.setattr(fb, "rwkv7_fla", fake_fla)
+    monkeypatch.setattr(fb, "_CHECKED", {})
+    if agree:
+        assert fb.fla_usable(torch.device("cpu")) is True
+    else:
+        with pytest.warns(RuntimeWarning, match="kernels do not match the torch path on cpu"):
+            assert fb.fla_usable(torch.device("cpu")) is False
+    assert fb.fla_usable(torch.device("cpu")) is agree                 # checked once per device
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_kernels_equal_the_chunked_path_on_cuda():

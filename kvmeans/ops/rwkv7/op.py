@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .chunk import rwkv7_chunk
-from .fla_backend import fla_available, rwkv7_fla
+from .fla_backend import fla_available, fla_usable, rwkv7_fla
 from .naive import rwkv7_naive
 from .recurrent import rwkv7_recurrent
 
@@ -30,8 +30,9 @@ def rwkv7_attention(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Te
         chunk_size: tokens per chunk of the chunked path (16-64 are fast on CPU).
         backend: ``"auto"`` | ``"naive"`` (token loop, the spec) | ``"chunk"`` (training / prefill) |
             ``"recurrent"`` (no-grad decode) | ``"fla"`` (flash-linear-attention's kernels, CUDA). ``"auto"``
-            takes fla on CUDA when it is installed, else ``recurrent`` for a no-grad call shorter than a
-            chunk and ``chunk`` otherwise. All agree within rounding.
+            takes fla on CUDA when it is installed and passed a one-time check against ``chunk`` on that device
+            (:func:`~kvmeans.ops.rwkv7.fla_backend.fla_usable`), else ``recurrent`` for a no-grad call shorter
+            than a chunk and ``chunk`` otherwise. All agree within rounding.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final state [B, H, K, V])``; half inputs are computed in float32 and
@@ -55,7 +56,7 @@ def rwkv7_attention(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Te
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (r, w, k, v, a, b, initial_state))
     if backend == "auto":
-        if r.is_cuda and fla_available():
+        if r.is_cuda and fla_usable(r.device):
             backend = "fla"
         else:
             backend = "recurrent" if not needs_grad and T < chunk_size else "chunk"
