@@ -176,7 +176,7 @@ def hf_cache_layers(cache) -> List[Dict[str, Any]]:
             st = layer.state
             rows.append({"layer": i, "mixer": "kvm", "nbytes": int(st.nbytes), "mixer_nbytes": int(st.nbytes),
                          "used_nbytes": int(st.nbytes), "state_rows": st.num_rows,
-                         "window_tokens": st.seen - st.covered, "kv_rows": None})
+                         "window_tokens": st.window_tokens, "kv_rows": None})
         else:
             n = sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                     if isinstance(t, torch.Tensor))

@@ -16,7 +16,8 @@ import torch
 from transformers import AttentionInterface
 
 from ..models.hf_kvm_cache import kvm_cache_layer
-from ..ops.pretrained import ConvertedKVMState, converted_kvm_attention
+from ..ops.pretrained import converted_kvm_attention
+from ..ops.pretrained_batch import ConvertedBatchState
 
 ATTN_IMPLEMENTATION = "kvmeans_converted"
 
@@ -25,7 +26,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
                           scaling: Optional[float] = None, softcap: Optional[float] = None, **kwargs):
     """The transformers attention-interface function of a converted layer: ``q [B, H, T, D]`` (post-RoPE),
     ``k``/``v [B, Hkv, T, D]`` (only the new tokens: the KVM cache layer passes them through) ->
-    ``([B, T, H, Dv], None)``. The causal mask is implied (padding is refused at the model level)."""
+    ``([B, T, H, Dv], None)``. The causal mask is implied; padding comes as the model's 2D mask."""
     spec = module.kvm_spec
     state, position_embeddings = module.__dict__.pop("_kvm_call")
     cos = sin = cos_d = sin_d = None
@@ -36,8 +37,9 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
         cos, sin = position_embeddings
         if spec.rope_mode in ("pre_rope_fixed", "split"):
             cos_d, sin_d = module.kvm_rope_at(spec.distance, query)
-    out = converted_kvm_attention(
-        query, key, value, state, scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+    out = state.attend(                 # each row by its real tokens (mask: kvmeans.models.convert_hf._pass_padding)
+        converted_kvm_attention, module.__dict__.get("_kvm_mask"), query, key, value,
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
         sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
         softcap=softcap, log_count_bias=spec.log_count_bias)
@@ -53,7 +55,7 @@ def _capture(module, args, kwargs):
     bound = module._kvm_signature.bind(*args, **kwargs).arguments
     named = {**bound.pop("kwargs", {}), **bound}
     cache = named.get("past_key_values", named.get("layer_past"))
-    state = ConvertedKVMState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
+    state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
     module._kvm_call = (state, named.get("position_embeddings"))
 
 

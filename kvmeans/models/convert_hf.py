@@ -162,11 +162,23 @@ class _RopeAt:
         return cos[0, 0], sin[0, 0]
 
 
-def _refuse_padding(model, args, kwargs):
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if mask is not None and (mask.dim() != 2 or not bool(mask.all())):
-        raise ValueError("a KVM-converted model attends causally over whole sequences: attention_mask with padding "
-                         "(or a custom 4D mask) is not supported; run sequences of different lengths one by one")
+def _pass_padding(model, args, kwargs):
+    """Forward pre-hook: hand the converted layers the 2D padding mask (``ops.pretrained_batch``: each row
+    runs on its real tokens only); None when there is no padding."""
+    mask = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError("a KVM-converted model takes a 2D attention_mask (1 = token, 0 = pad), got a "
+                         f"{mask.dim()}D one; custom 4D masks are not supported")
+    if mask is not None and bool(mask.all()):
+        mask = None
+    for module in model.modules():
+        if getattr(module, "kvm_spec", None) is not None:
+            module._kvm_mask = mask
+
+
+def _drop_padding(model, args, output):
+    for module in model.modules():
+        module.__dict__.pop("_kvm_mask", None)
 
 
 def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
@@ -201,7 +213,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
     for i in chosen:
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None)
     if not getattr(model, "_kvm_padding_hook", False):
-        model.register_forward_pre_hook(_refuse_padding, with_kwargs=True)
+        model.register_forward_pre_hook(_pass_padding, with_kwargs=True)
+        model.register_forward_hook(_drop_padding, always_call=True)
         model._kvm_padding_hook = True
     model.config.kvm_conversion = {"layers": chosen, **spec.to_dict()}
     return model

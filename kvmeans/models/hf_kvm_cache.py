@@ -2,26 +2,28 @@
 
 Any transformers ``Cache`` works (``generate`` builds its usual ``DynamicCache``): the first call of a
 converted layer swaps that layer's entry for a :class:`KVMCacheLayer`, which keeps a
-``ConvertedKVMState`` (merged rows + exact window, bounded) instead of every key and value.
+``ConvertedBatchState`` (per group of rows: merged rows + exact window, bounded) instead of every key and
+value. It takes left-padded batches and ``crop`` (assisted / prompt-lookup decoding) as that class
+describes (``kvmeans.ops.pretrained_batch``).
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
 
-from ..ops.pretrained import ConvertedKVMState
+from ..ops.pretrained_batch import ConvertedBatchState
 
 
 class KVMCacheLayer(CacheLayerMixin):
     """One converted layer's cache: ``update`` passes the new keys/values through untouched (the KVM
-    attention consumes them into ``state``); ``get_seq_length`` counts every token seen."""
+    attention consumes them into ``state``); ``get_seq_length`` counts every column seen, pads included."""
 
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__()
-        self.state = ConvertedKVMState()
+        self.state = ConvertedBatchState(recording=True)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -43,7 +45,7 @@ class KVMCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.state = ConvertedKVMState()
+        self.state = ConvertedBatchState(recording=True)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.state.index_select(beam_idx)
@@ -52,12 +54,17 @@ class KVMCacheLayer(CacheLayerMixin):
         self.state.index_select(torch.as_tensor(indices).reshape(-1))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.state.buf_v is not None:
-            self.state.index_select(torch.arange(self.state.buf_v.shape[0]).repeat_interleave(repeats))
+        if self.state.batch_size:
+            self.state.index_select(torch.arange(self.state.batch_size).repeat_interleave(repeats))
+
+    def activate_past_recording(self) -> None:
+        """Nothing to do: a cache's converted layer always keeps what ``crop`` needs."""
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a KVM cache layer cannot be cropped (merged rows cannot be un-merged); "
-                                  "re-run the prompt instead of assisted/speculative decoding")
+        """Remove the last ``-tokens_to_remove`` columns (transformers' convention: <= 0)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of tokens to remove (<= 0)")
+        self.state.crop(self.state.columns + tokens_to_remove)
 
     @property
     def nbytes(self) -> int:

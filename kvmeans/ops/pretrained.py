@@ -81,6 +81,13 @@ class ConvertedKVMState:
                 setattr(self, name, t.index_select(0, idx.to(t.device)))
         return self
 
+    def copy(self) -> "ConvertedKVMState":
+        """A snapshot sharing the tensors: they are replaced, never written in place (``ops.pretrained_batch``
+        relies on it for padding and crop)."""
+        out = ConvertedKVMState.__new__(ConvertedKVMState)
+        out.__dict__.update(self.__dict__)
+        return out
+
     def __repr__(self) -> str:
         return (f"ConvertedKVMState(seen={self.seen}, rows={self.num_rows}, covered={self.covered}, "
                 f"buffered={self.seen - self.covered}, nbytes={self.nbytes})")
