@@ -206,6 +206,8 @@ class GPTAlphaAttention(nn.Module):
         B, T, _ = x.shape
         seen = 0 if state is None else state.seen_tokens
         start = seen if position_offset is None else int(position_offset)
+        if position_offset is None and getattr(state, "schedule", None) is not None:
+            start = state.schedule.positions(T, x.device)              # a ragged batch: [B, T] per row
 
         q, k, v = self.c_q(x), self.c_k(x), self.c_v(x)
         if c.value_residual:

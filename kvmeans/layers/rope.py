@@ -51,22 +51,25 @@ class RotaryEmbedding(nn.Module):
         return f"rope_dim={self.rope_dim}, theta={self.theta:g}, reference_bf16={self.reference_bf16}"
 
     def cos_sin(self, positions: Positions, seq_len: int, device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``(cos, sin)``, each ``[T, rope_dim // 2]`` in ``dtype``, for the given positions.
+        """``(cos, sin)``, each ``[T, rope_dim // 2]`` (``[B, 1, T, rope_dim // 2]`` for per-row positions) in
+        ``dtype``, for the given positions.
 
         Args:
-            positions: LongTensor ``[T]`` of absolute positions, or an int offset (positions
-                ``offset .. offset + T - 1``).
+            positions: LongTensor ``[T]`` of absolute positions, ``[B, T]`` per batch row, or an int offset
+                (positions ``offset .. offset + T - 1``).
             seq_len: T.
         """
         if isinstance(positions, Tensor):
-            if positions.dim() != 1 or positions.shape[0] != seq_len:
-                raise ValueError(f"positions must be a 1-D tensor of length T={seq_len}, got shape "
+            if positions.dim() not in (1, 2) or positions.shape[-1] != seq_len:
+                raise ValueError(f"positions must be a tensor [T] or [B, T] with T={seq_len}, got shape "
                                  f"{tuple(positions.shape)}")
             pos = positions.to(device=device)
         else:
             pos = torch.arange(int(positions), int(positions) + seq_len, device=device)
         # Angles in fp32 whatever the compute dtype: bf16 positions lose integers past 256.
-        angles = pos.to(torch.float32)[:, None] * rope_frequencies(self.rope_dim, self.theta, device)[None, :]
+        angles = pos.to(torch.float32)[..., None] * rope_frequencies(self.rope_dim, self.theta, device)
+        if angles.dim() == 3:       # per-row positions [B, T]: [B, 1, T, r/2], broadcast over the heads
+            angles = angles.unsqueeze(1)
         cos, sin = angles.cos(), angles.sin()
         if self.reference_bf16:
             cos, sin = cos.bfloat16(), sin.bfloat16()

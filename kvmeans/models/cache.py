@@ -31,7 +31,8 @@ class ModelCache:
             the first call.
         mlp_shift: per layer the last MLP input ``[B, d]`` (None without MLP token shift).
         mixers: per layer the mixer name (``"kvm"``, ``"full"``, ...), for reports.
-        seen_tokens: tokens of each sequence processed so far.
+        seen_tokens: tokens of each sequence processed so far (stacked rows at different positions: the most;
+            each ``KVMState.schedule`` holds every row's).
     """
 
     layers: List[Any]
@@ -104,6 +105,24 @@ class ModelCache:
         """Select / reorder the batch's sequences: ``batch_index`` is ``[B']`` long."""
         idx = torch.as_tensor(batch_index, dtype=torch.long)
         return self._map(lambda st: st.index_select(idx), lambda t: t.index_select(0, idx.to(t.device)))
+
+    @staticmethod
+    def stackable(caches: List["ModelCache"]) -> bool:
+        """Whether :meth:`stack` can join these caches: every layer of every cache holds a ``KVMState``."""
+        from ..ops.state import KVMState
+        return all(isinstance(st, KVMState) for c in caches for st in c.layers) and \
+            len({tuple(s is None for s in c.mlp_shift) for c in caches}) == 1
+
+    @classmethod
+    def stack(cls, caches: List["ModelCache"]) -> "ModelCache":
+        """One cache holding the rows of ``caches`` in order (each layer a ``KVMState``, see :meth:`stackable`);
+        rows at different positions make each layer's state ragged (``KVMState.stack``)."""
+        from ..ops.state import KVMState
+        first = caches[0]
+        layers = [KVMState.stack([c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        shift = [None if t is None else torch.cat([c.mlp_shift[i] for c in caches])
+                 for i, t in enumerate(first.mlp_shift)]
+        return cls(layers, shift, list(first.mixers), max(c.seen_tokens for c in caches))
 
     def reorder_(self, batch_index: Tensor) -> "ModelCache":
         """In-place :meth:`index_select` (each layer state object is kept and reordered)."""

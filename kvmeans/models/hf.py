@@ -23,7 +23,8 @@ an empty ``DynamicCache`` for one). Greedy, sampling, beam search (cache reorder
 Padding: the ``attention_mask`` marks pads, which are stripped per row (KVM depends on absolute
 positions: chunk boundaries, sinks); each row's real tokens are numbered from 0, so a left-padded
 batch gives each sequence the logits it has alone (``position_ids`` / ``cache_position`` are
-accepted and ignored). Pad positions get zero logits. Assisted and prompt-lookup decoding
+accepted and ignored). Pad positions get zero logits. With KVM layers only, a batch of rows at different
+positions decodes in one call per step (a ragged state, see :class:`KVMCache`). Assisted and prompt-lookup decoding
 (``assistant_model=``, ``prompt_lookup_num_tokens=``; batch 1) roll the cache back with
 :meth:`KVMCache.crop <kvmeans.models.hf_cache.KVMCache.crop>`. ``inputs_embeds`` is not supported.
 """

@@ -6,13 +6,16 @@ all of them depend on the absolute position of every real token (chunk boundarie
 cache does not implement ``update(key, value, layer_idx)``; the model advances it as a whole through
 :meth:`KVMCache.advance`.
 
-Padding. The batch is partitioned into *groups* of rows that have seen the same number of real
-tokens; each group owns one batched :class:`ModelCache`. A call whose attention mask has no padding
-runs each group as one batch (one group = the whole batch in the common case). When the new columns
-contain pads, every group is split by its rows' count of new real tokens, each row's pads are
-stripped, and the pieces run separately; pads never enter a state and their outputs are zeros. A
-left-padded prompt batch therefore decodes as one group per distinct prompt length (rows of equal
-length stay batched). Groups are never merged back.
+Padding. The batch is partitioned into *groups* of rows, each owning one batched :class:`ModelCache`
+(one group = the whole batch in the common case). When the new columns contain pads, every group is
+split by its rows' count of new real tokens, each row's pads are stripped, and the pieces run
+separately; pads never enter a state and their outputs are zeros. A call whose attention mask has no
+padding first merges the groups back into one when every layer is a KVM layer: rows that have seen
+different numbers of tokens then share one ragged state per layer (``KVMState.schedule``: each row's
+chunk boundaries, state rows and window; :mod:`kvmeans.ops.ragged`), so a left-padded prompt batch is
+prefilled with one call per distinct prompt length and then decodes with one call per step, each row
+equal to its solo run. Models with other mixers (full, SWA, BSWA, OVQ) keep one group per distinct
+length (one call per group per step).
 
 Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` gather rows
 (and so every layer's state) across groups.
@@ -206,6 +209,8 @@ class KVMCache(Cache):
                              "returned by beam search holds every beam: continue some of them with "
                              "cache.select(rows) (a copy holding those rows, in that order)")
         counts = torch.full((B,), T, dtype=torch.long) if mask is None else mask.long().sum(1).cpu()
+        if mask is None and len(self.groups) > 1:
+            self._merge()
         if mask is None and len(self.groups) == 1:      # common case: one batched call, no copies
             g = self.groups[0]                          # (a single group holds rows 0..B-1 in order)
             hidden, g.cache = backbone(input_ids, g.cache)
@@ -237,6 +242,15 @@ class KVMCache(Cache):
         self.groups = new_groups
         self._finish(T, counts)
         return out
+
+    def _merge(self) -> None:
+        """Join the groups into one batched cache in batch order when every layer state can be stacked
+        (KVM layers: rows at different positions make a ragged state); else leave them."""
+        caches = [g.cache for g in self.groups]
+        if any(c is None for c in caches) or not ModelCache.stackable(caches):
+            return
+        rows = torch.cat([g.rows for g in self.groups])
+        self.groups = [_Group(torch.arange(len(rows)), ModelCache.stack(caches).index_select(torch.argsort(rows)))]
 
     @staticmethod
     def _in_order(g: _Group) -> bool:

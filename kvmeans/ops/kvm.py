@@ -43,7 +43,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         value_radius: False is the ablation that reads state values as running means.
         scale: softmax scale, default ``1/sqrt(D)``.
         initial_state: a :class:`KVMState` returned earlier; the call continues that sequence and
-            **advances the object in place** (it is a cache; ``clone()`` it to keep the old one).
+            **advances the object in place** (it is a cache; ``clone()`` it to keep the old one). A ragged state
+            (rows at different positions, ``KVMState.stack``) continues each row at its own position
+            (:mod:`kvmeans.ops.ragged`).
         return_state: also return the state.
         gate_keys, gate_values: multiply merged keys / values by the gate.
         gate_appends: also gate the rows created by appends (the authors' ``kvm_apply_merge_gate_to_appends``).
@@ -69,6 +71,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         it, which are NaN (:mod:`kvmeans.ops.masking`). Buffers are sized by the tokens present, not by
         ``chunk_len`` / ``n_bswa_chunks``.
     """
+    call = dict(locals())               # the arguments as given, for a ragged state's split_call
     B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
     gate = _check_gate(gate, q, B, Hkv, T)
     _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend)
@@ -112,6 +115,11 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
     attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
+    if state.schedule is not None:      # a ragged batch (rows at different positions): kvmeans.ops.ragged
+        if T > 1 or needs_grad or numerics == "reference" or backend not in ("auto", "recurrent"):
+            from .ragged import split_call
+            return split_call(kvm_attention, call)
+        backend = "ragged"
     if backend == "auto":
         backend = "recurrent" if (not needs_grad and state.seen_tokens > 0 and T <= chunk_len) else "chunked"
     if backend == "recurrent" and needs_grad and numerics != "reference":
@@ -124,6 +132,8 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         kwargs["mma_dtype"] = q.dtype
     if numerics == "reference":
         from .reference_numerics import reference_kvm_attention as impl
+    elif backend == "ragged":
+        from .ragged import ragged_kvm_attention as impl
     elif backend == "naive":
         from .naive import naive_kvm_attention as impl
     elif backend == "chunked":

@@ -2,19 +2,24 @@
 
 The state is a cache: ``kvm_attention(..., initial_state=s)`` advances ``s`` and returns it.
 Call :meth:`KVMState.clone` first if you need the old one.
+
+A ragged batch (rows that have seen different numbers of tokens, e.g. left-padded prompts of distinct
+lengths) is one state with a :class:`RowSchedule`: each row's tokens seen, state rows and coverage. Row
+``b`` keeps its state rows in ``keys[b, :, :rows[b]]`` and its window in ``window_keys[b, :, :window_len]``
+of its own position; :meth:`KVMState.stack` builds one, :meth:`KVMState.split` takes it apart.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .schedule import bswa_begin
 
-__all__ = ["KVMState", "BatchedState"]
+__all__ = ["KVMState", "BatchedState", "RowSchedule"]
 
 
 class BatchedState:
@@ -67,6 +72,25 @@ class BatchedState:
                              f"state returned for these sequences (index_select it for beams)")
 
 
+@dataclass(frozen=True)
+class RowSchedule:
+    """Per-row positions of a ragged batch (host ints, one per batch row; immutable, so copies share it)."""
+
+    seen: Tuple[int, ...]           # tokens each row has seen
+    rows: Tuple[int, ...]           # state rows in use
+    coverage: Tuple[int, ...]       # tokens summarised by the rows
+
+    def select(self, idx: List[int]) -> "RowSchedule":
+        return RowSchedule(*(tuple(x[i] for i in idx) for x in (self.seen, self.rows, self.coverage)))
+
+    def window_lens(self, chunk_len: int, n_bswa_chunks: int) -> List[int]:
+        return [s - bswa_begin(s, chunk_len, n_bswa_chunks) for s in self.seen]
+
+    def positions(self, T: int, device) -> Tensor:
+        """``[B, T]`` absolute positions of the next ``T`` tokens of every row."""
+        return torch.tensor(self.seen, device=device).view(-1, 1) + torch.arange(T, device=device)
+
+
 @dataclass
 class KVMState(BatchedState):
     """Carried state of one KVM attention layer for a batch of sequences of equal length.
@@ -89,6 +113,8 @@ class KVMState(BatchedState):
         chunk_len, n_bswa_chunks, sink_len, rope_dim, value_radius: the configuration the state was
             built with; continuing with another configuration is an error.
         extras: free slot for layers (token-shift predecessors and the like).
+        schedule: None when every row has seen ``seen_tokens``; a ragged batch's :class:`RowSchedule` otherwise
+            (``num_rows``, ``seen_tokens``, ``coverage`` are then the rows' maxima; see the module docstring).
     """
 
     keys: Tensor
@@ -106,10 +132,13 @@ class KVMState(BatchedState):
     rope_dim: int = 0
     value_radius: bool = True
     extras: dict = field(default_factory=dict)
+    schedule: Optional[RowSchedule] = None
     # recurrent path: readout cache (LN_s keys, radius-scaled values) and whether the buffers are
     # its own preallocated ones (safe to write in place); neither is saved
     _readout: Optional[tuple] = field(default=None, repr=False, compare=False)
     _owned: bool = field(default=False, repr=False, compare=False)
+    # ragged decode (kvmeans.ops.ragged): per-row readout cache; not saved
+    _row_readout: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -131,6 +160,9 @@ class KVMState(BatchedState):
 
     @property
     def window_len(self) -> int:
+        """Window tokens (a ragged batch: the longest row's)."""
+        if self.schedule is not None:
+            return max(self.schedule.window_lens(self.chunk_len, self.n_bswa_chunks))
         return self.seen_tokens - self.window_start
 
     @property
@@ -184,7 +216,70 @@ class KVMState(BatchedState):
 
     # ---- copies (clone, detach, index_select, reorder_ come from BatchedState) ----------------
     def _reset_caches(self) -> None:
-        self._readout, self._owned = None, False
+        self._readout, self._owned, self._row_readout = None, False, None
+
+    # ---- ragged batches ------------------------------------------------------------------------
+    def index_select(self, batch_index: Tensor) -> "KVMState":
+        """Select / reorder sequences (beam search); rows of a ragged batch keep their schedules (a
+        selection whose rows all stand at one position is a plain state)."""
+        out = super().index_select(batch_index)
+        if self.schedule is not None:
+            out.set_schedule(self.schedule.select(torch.as_tensor(batch_index).flatten().tolist()))
+        return out
+
+    def set_schedule(self, schedule: RowSchedule) -> None:
+        """Adopt per-row positions: plain (``schedule = None``) when all rows agree, ragged otherwise."""
+        one = all(len(set(x)) == 1 for x in (schedule.seen, schedule.rows, schedule.coverage))
+        self.schedule = None if one else schedule
+        self.seen_tokens, self.num_rows, self.coverage = (max(x) for x in (schedule.seen, schedule.rows,
+                                                                           schedule.coverage))
+
+    def row_schedule(self) -> RowSchedule:
+        """The per-row schedule (a plain state's rows all share its own)."""
+        if self.schedule is not None:
+            return self.schedule
+        B = self.batch_size
+        return RowSchedule((self.seen_tokens,) * B, (self.num_rows,) * B, (self.coverage,) * B)
+
+    @classmethod
+    def stack(cls, states: List["KVMState"]) -> "KVMState":
+        """One state holding the rows of ``states`` in order (plain or ragged, same configuration, dtype and
+        device; ``extras`` tensors concatenated); ragged unless every row stands at one position."""
+        first = states[0]
+        config = ("chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "value_radius")
+        for st in states[1:]:
+            for name in config:
+                if getattr(st, name) != getattr(first, name):
+                    raise ValueError(f"KVMState.stack: states differ in {name} ({getattr(first, name)!r} vs "
+                                     f"{getattr(st, name)!r}); only states of one layer can be stacked")
+            if st.extras.keys() != first.extras.keys():
+                raise ValueError(f"KVMState.stack: states carry different extras ({sorted(first.extras)} vs "
+                                 f"{sorted(st.extras)}); stack the states of one layer")
+        B, (Hkv, _, D), Dv = sum(st.batch_size for st in states), first.keys.shape[1:], first.values.shape[-1]
+        rows, win = max(st.num_rows for st in states), max(st.window_len for st in states)
+        out = cls.empty(B, Hkv, D, Dv, dtype=first.dtype, device=first.device, row_capacity=max(rows, 1),
+                        window_capacity=max(win, 1), **{name: getattr(first, name) for name in config})
+        b = 0
+        for st in states:
+            n, m, w = st.batch_size, st.num_rows, st.window_len
+            for name, extent in zip(cls._TENSORS, (m, m, m, w, w, w)):
+                getattr(out, name)[b:b + n, :, :extent] = getattr(st, name)[:, :, :extent]
+            b += n
+        out.extras = {k: torch.cat([st.extras[k] for st in states]) if isinstance(v, Tensor) else copy.deepcopy(v)
+                      for k, v in first.extras.items()}
+        parts = [st.row_schedule() for st in states]
+        out.set_schedule(RowSchedule(*(sum((getattr(p, f) for p in parts), ()) for f in ("seen", "rows", "coverage"))))
+        return out
+
+    def split(self) -> List[Tuple[Tensor, "KVMState"]]:
+        """``[(rows [G] long, plain state of those rows)]``: the batch rows grouped by position (groups in the
+        order of their first row)."""
+        if self.schedule is None:
+            return [(torch.arange(self.batch_size), self)]
+        sched, groups = self.schedule, {}
+        for b, key in enumerate(zip(sched.seen, sched.rows, sched.coverage)):
+            groups.setdefault(key, []).append(b)
+        return [(torch.tensor(rows), self.index_select(torch.tensor(rows))) for rows in groups.values()]
 
     def to(self, *args, **kwargs) -> "KVMState":
         """Like ``Tensor.to``: move or cast every buffer (``state.to('cuda')``, ``state.to(torch.float64)``)."""
@@ -196,12 +291,13 @@ class KVMState(BatchedState):
                 f"rows={self.num_rows}/{self.row_capacity}, window={self.window_len}/{self.window_capacity}, "
                 f"seen_tokens={self.seen_tokens}, coverage={self.coverage}, chunk_len={self.chunk_len}, "
                 f"n_bswa_chunks={self.n_bswa_chunks}, sink_len={self.sink_len}, rope_dim={self.rope_dim}, "
-                f"value_radius={self.value_radius}, dtype={self.dtype}, device={self.device})")
+                f"value_radius={self.value_radius}, dtype={self.dtype}, device={self.device}"
+                + ("" if self.schedule is None else f", ragged seen={list(self.schedule.seen)}") + ")")
 
     # ---- serialisation -------------------------------------------------------------------------
     def __getstate__(self):
         d = dict(self.__dict__)
-        d["_readout"], d["_owned"] = None, False
+        d["_readout"], d["_owned"], d["_row_readout"] = None, False, None
         return d
 
     def check_compatible(self, *, batch: int, kv_heads: int, head_dim: int, value_dim: int, chunk_len: int,
@@ -225,4 +321,4 @@ class KVMState(BatchedState):
             raise ValueError(f"initial_state is on {self.device} but q is on {device}; move it with state.to(device)")
 
 
-torch.serialization.add_safe_globals([KVMState])
+torch.serialization.add_safe_globals([KVMState, RowSchedule])

@@ -30,7 +30,7 @@ INTERPRET_META = {"BLOCK_N": 16}
 
 
 @triton.jit
-def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
+def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, STEMP, BTEMP, O,
                    s_qb, s_qh, s_qt, s_ob, s_oh, s_ot, s_kb, s_kh, s_km, s_vb, s_vh, s_vm,
                    s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
                    HKV, D, DV, T, sm_scale,
@@ -49,8 +49,8 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, STEMP, BTEMP, O,
     log2_scale = sm_scale * 1.4426950408889634
     st = tl.load(STEMP + head, mask=ok, other=0.0).to(tl.float32) * log2_scale
     bt = tl.load(BTEMP + head, mask=ok, other=0.0).to(tl.float32) * log2_scale
-    n_rows = tl.load(LENGTHS)
-    w_len = tl.load(LENGTHS + 1)
+    n_rows = tl.load(LENGTHS + b * s_lb)
+    w_len = tl.load(LENGTHS + b * s_lb + 1)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -88,7 +88,8 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
         state_keys, state_values: ``[B, Hkv, >= rows, D|Dv]`` read-out state (``LN_s`` keys, radius-scaled
             values; the recurrent path's readout cache), or None while the state is inactive.
         window_keys, window_values: ``[B, Hkv, capacity, D|Dv]`` window buffers (slot 0 = window start).
-        lengths: int32 ``[2]`` on q's device: ``[rows visible (0 while inactive), window length]``.
+        lengths: int32 ``[2]`` on q's device: ``[rows visible (0 while inactive), window length]``, or ``[B, 2]``
+            per batch row (a ragged batch, :mod:`kvmeans.ops.ragged`).
         state_temp, bswa_temp: ``[H]``; scale: softmax scale; out: optional preallocated output.
     """
     B, H, t, D = q.shape
@@ -102,7 +103,8 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
         out = q.new_empty(B, H, t, DV)
     block_m = min(64, _pow2(REP * t))
     grid = lambda META: (triton.cdiv(REP * t, block_m), B * Hkv)
-    args = (q, state_keys, state_values, window_keys, window_values, lengths, state_temp, bswa_temp, out,
+    args = (q, state_keys, state_values, window_keys, window_values, lengths,
+            lengths.stride(0) if lengths.dim() == 2 else 0, state_temp, bswa_temp, out,
             *q.stride()[:3], *out.stride()[:3], *state_keys.stride()[:3], *state_values.stride()[:3],
             *window_keys.stride()[:3], *window_values.stride()[:3], Hkv, D, DV, t, float(scale))
     consts = dict(REP=REP, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_M=block_m)
