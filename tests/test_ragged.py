@@ -145,6 +145,26 @@ def test_left_padded_distinct_lengths_decode_in_one_call_per_step(budget):
                                    rtol=1e-4, atol=1e-5)
 
 
+def test_ragged_cache_continues_with_padded_and_multi_token_calls():
+    model, seqs = tiny("kvm"), prompts([9, 16, 23])
+    full = lambda i, n: model(seqs[i][None, :n], use_cache=False).logits[0, -1]
+    ids, mask = left_pad([s[:n] for s, n in zip(seqs, (5, 11, 14))])
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask).past_key_values
+        more = torch.stack([s[n:n + 2] for s, n in zip(seqs, (5, 11, 14))])    # unpadded: merged, ragged
+        cache = model(more, past_key_values=cache).past_key_values
+        assert len(cache.groups) == 1 and cache.to_model_cache().layers[0].schedule.seen == (7, 13, 16)
+        pad = torch.zeros(3, 2, dtype=torch.long)                               # rows take 0, 1, 2 tokens
+        last = torch.stack([pad[0], torch.tensor([0, seqs[1][13]]), seqs[2][16:18]])
+        m = torch.tensor([[0, 0], [0, 1], [1, 1]])
+        got = model(last, attention_mask=m, past_key_values=cache).logits[:, -1]
+        for i, n in ((1, 14), (2, 18)):
+            torch.testing.assert_close(got[i], full(i, n), rtol=1e-4, atol=1e-5)
+        assert cache.lengths.tolist() == [7, 14, 18]
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, prefill_chunk_size=4, **GREEDY)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY))
+
+
 def test_beam_search_on_a_ragged_batch_equals_uncached():
     model = tiny("kvm")
     ids, mask = left_pad(prompts([5, 9, 14]))
