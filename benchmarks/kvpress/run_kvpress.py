@@ -1,0 +1,167 @@
+"""kvpress 0.5.5's presses on kvmeans' samples, run in kvpress' own venv (``setup.sh``; it imports no kvmeans).
+
+    VENV/bin/python benchmarks/kvpress/run_kvpress.py --samples OUT/samples.jsonl --model DIR --out OUT/kvpress \\
+        [--presses none streaming knorm snapkv tova merging_knorm expected_attention] [--ratios 0.5 0.75]
+
+``samples.jsonl`` (from ``kvmeans bench pretrained``): one JSON object per line with ``id``, ``sha256``,
+``bench``, ``length``, ``context_ids`` (what a press compresses: the chat template's head and the haystack),
+``question_ids`` (question, template tail, answer prefix) and ``answers``. Each sample runs exactly as
+kvpress' pipeline runs it (``KVPressTextGenerationPipeline._forward``): the context prefilled under the
+press (it compresses each layer's keys/values to ``int((1 - ratio) * context)``), then the question and greedy
+decoding over the compressed cache, with the ids given (no re-tokenization; the texts are re-encoded only to
+check that this venv's tokenizer agrees). Scored with RULER's ``string_match_all`` (every reference found,
+case-insensitively). Writes ``kvpress.json`` (settings, versions, rows, per-sample answers) and
+``kvpress.csv`` (rows) atomically, after every (press, ratio).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESSES = ("none", "streaming", "knorm", "snapkv", "tova", "merging_knorm", "expected_attention")
+
+
+def make_press(name: str, ratio: float):
+    """A kvpress press by short name at ``ratio`` (None for ``none``)."""
+    import kvpress
+    if name == "none":
+        return None
+    simple = {"streaming": kvpress.StreamingLLMPress, "knorm": kvpress.KnormPress, "snapkv": kvpress.SnapKVPress,
+              "tova": kvpress.TOVAPress, "expected_attention": kvpress.ExpectedAttentionPress}
+    if name in simple:
+        return simple[name](compression_ratio=ratio)
+    if name == "merging_knorm":
+        return kvpress.MergingPress(press=kvpress.KnormPress(compression_ratio=ratio))
+    raise ValueError(f"--presses: unknown {name!r}; choose from {', '.join(PRESSES)}")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def correct(pred: str, refs) -> bool:
+    """RULER's ``string_match_all`` for one sample: every reference in the post-processed prediction."""
+    p = re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip().lower()
+    return all(r.lower() in p for r in refs)
+
+
+def run_sample(pipe, press, sample, max_new_tokens: int) -> dict:
+    """kvpress' ``_forward`` for one question, timed in two parts, with the compressed cache's bytes."""
+    import contextlib
+
+    import torch
+    from transformers import DynamicCache
+    model = pipe.model
+    ctx = torch.tensor([sample["context_ids"]], device=model.device)
+    question = torch.tensor([sample["question_ids"]], device=model.device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        with press(model) if press is not None else contextlib.nullcontext():
+            model.model(input_ids=ctx, past_key_values=cache)
+        t1 = time.perf_counter()
+        kept = cache.get_seq_length()
+        nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        text = pipe.generate_answer(question_ids=question, cache=cache, context_length=ctx.shape[1],
+                                    max_new_tokens=max_new_tokens)
+        t2 = time.perf_counter()
+    return {"pred": text, "kept_keys": kept, "cache_bytes": nbytes, "prefill_s": t1 - t0, "answer_s": t2 - t1}
+
+
+def row_of(press: str, ratio, bench: str, length: int, group) -> dict:
+    return {"bench": bench, "length": length, "ratio": ratio, "arm": f"kvpress {press}",
+            "kept_keys": round(sum(a["kept_keys"] for a in group) / len(group)),
+            "score": sum(a["correct"] for a in group), "samples": len(group),
+            "cache_bytes": max(a["cache_bytes"] for a in group),
+            "prefill_tok_s": sum(a["context_tokens"] for a in group) / sum(a["prefill_s"] for a in group),
+            "answer_s": sum(a["answer_s"] for a in group) / len(group)}
+
+
+def write_results(out: Path, settings: dict, rows: list, answers: list) -> None:
+    atomic_write(out / "kvpress.json", json.dumps({"settings": settings, "rows": rows, "samples": answers},
+                                                  indent=1) + "\n")
+    buf = io.StringIO()
+    if rows:
+        w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    atomic_write(out / "kvpress.csv", buf.getvalue())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", required=True, help="samples.jsonl written by kvmeans bench pretrained")
+    p.add_argument("--model", required=True, help="the same transformers model folder")
+    p.add_argument("--out", required=True, help="folder for kvpress.json and kvpress.csv")
+    p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=PRESSES)
+    p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75])
+    p.add_argument("--benches", nargs="+", help="only these benches of the samples (e.g. niah)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--threads", type=int)
+    a = p.parse_args(argv)
+    if not all(0 < r < 1 for r in a.ratios):
+        p.error(f"--ratios must lie in (0, 1), got {a.ratios}")
+    samples = [json.loads(line) for line in Path(a.samples).read_text(encoding="utf-8").splitlines() if line.strip()]
+    samples = [s for s in samples if not a.benches or s["bench"] in a.benches]
+    if not samples:
+        p.error(f"--samples {a.samples}: no samples (of --benches {a.benches})")
+    import kvpress  # noqa: F401  (registers the pipeline and patches attention)
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    mismatched = [s["id"] for s in samples if tok.encode(s["context"], add_special_tokens=False) != s["context_ids"]
+                  or tok.encode(s["question"], add_special_tokens=False) != s["question_ids"]]
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    import importlib.metadata as md
+    settings = {**vars(a), "versions": {n: md.version(n) for n in ("kvpress", "torch", "transformers")},
+                "tokenizer_mismatches": mismatched, "loadavg": open("/proc/loadavg").read().strip()}
+    print(f"kvpress {settings['versions']['kvpress']}, transformers {transformers.__version__}: {len(samples)} samples; "
+          f"this tokenizer re-encodes {len(samples) - len(mismatched)}/{len(samples)} texts to the same ids",
+          flush=True)
+    groups = {}
+    for s in samples:
+        groups.setdefault((s["bench"], s["length"]), []).append(s)
+    rows, answers = [], []
+    runs = [(name, r) for name in a.presses for r in ([None] if name == "none" else a.ratios)]
+    for name, ratio in runs:
+        for (bench, length), group in groups.items():
+            got = []
+            for s in group:
+                r = run_sample(pipe, make_press(name, ratio or 0.0), s, a.max_new_tokens)
+                got.append({"id": s["id"], "sha256": s["sha256"], "arm": f"kvpress {name}", "ratio": ratio,
+                            "correct": correct(r["pred"], s["answers"]), "context_tokens": len(s["context_ids"]), **r})
+            rows.append(row_of(name, ratio, bench, length, got))
+            answers += got
+            write_results(Path(a.out), settings, rows, answers)
+            print(f"{name} {ratio} {bench} {length}: {rows[-1]['score']}/{len(group)} "
+                  f"(kept {rows[-1]['kept_keys']} keys)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
