@@ -3,8 +3,11 @@
 The family's attention ``forward`` still runs unchanged (q/k/v/o projections, biases, q/k norms, RoPE,
 GQA layout, cache update) and calls its attention function by name; a converted layer gets its own
 config copy naming ours (``kvmeans_converted``), so only that layer's score/softmax/value step becomes
-KVM. A forward pre-hook hands the function what the interface does not pass: the layer's cache entry
-and the RoPE cos/sin of the current positions.
+KVM. A forward pre-hook hands the function what the interface does not pass: the layer's cache entry,
+the RoPE cos/sin of the current positions and the layer's input (for the merge gate).
+
+With ``spec.learned`` the layer also carries KVM's learned read-out as parameters (``kvm_*``, trained by
+``kvmeans distill``), initialised so that the layer computes exactly the training-free read.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import inspect
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import AttentionInterface
 
 from ..models.hf_kvm_cache import kvm_cache_layer
@@ -28,7 +33,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
     ``k``/``v [B, Hkv, T, D]`` (only the new tokens: the KVM cache layer passes them through) ->
     ``([B, T, H, Dv], None)``. The causal mask is implied; padding comes as the model's 2D mask."""
     spec = module.kvm_spec
-    state, position_embeddings = module.__dict__.pop("_kvm_call")
+    state, position_embeddings, hidden_states = module.__dict__.pop("_kvm_call")
     cos = sin = cos_d = sin_d = None
     if spec.rope_mode != "none":
         if position_embeddings is None:
@@ -42,8 +47,21 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
         sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
-        softcap=softcap, log_count_bias=spec.log_count_bias)
+        softcap=softcap, log_count_bias=spec.log_count_bias, **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
+
+
+def learned_readout(module, hidden_states) -> dict:
+    """The learned read-out arguments of ``converted_kvm_attention`` ({} for a training-free layer): the merge
+    gate ``1 + ELU(x W_g / d + b_g)`` per kv head from the layer input ``x [B, T, d]``, LN_s, temperatures."""
+    if not module.kvm_spec.learned:
+        return {}
+    # x W_g / d: an Adam step of lr moves the gate by about lr (not lr * d: a sum over d inputs)
+    w = module.kvm_gate_weight
+    gate = 1 + F.elu(F.linear(hidden_states, w / w.shape[-1], module.kvm_gate_bias))   # [B, T, Hkv]
+    return dict(merge_gate=gate.transpose(1, 2), state_key_weight=module.kvm_state_key_weight,
+                state_key_bias=module.kvm_state_key_bias, state_temp=module.kvm_state_temp,
+                window_temp=module.kvm_window_temp)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvm_attention_forward)
@@ -56,7 +74,7 @@ def _capture(module, args, kwargs):
     named = {**bound.pop("kwargs", {}), **bound}
     cache = named.get("past_key_values", named.get("layer_past"))
     state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
-    module._kvm_call = (state, named.get("position_embeddings"))
+    module._kvm_call = (state, named.get("position_embeddings"), named.get("hidden_states"))
 
 
 def _release(module, args, output):
@@ -74,5 +92,27 @@ def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Cal
     module.kvm_spec = spec
     module.kvm_rope_at = rope_at
     module._kvm_signature = inspect.signature(module.forward)
+    if spec.learned:
+        add_learned_parameters(module)
     module.register_forward_pre_hook(_capture, with_kwargs=True)
     module.register_forward_hook(_release)
+
+
+def add_learned_parameters(module: torch.nn.Module) -> None:
+    """Register KVM's learned read-out on a converted layer, at the values that give the training-free read:
+    ``kvm_state_key_weight``/``kvm_state_key_bias [Hkv, D]`` (LN_s as an affine map, identity),
+    ``kvm_state_temp``/``kvm_window_temp [H]`` (1) and the merge gate ``kvm_gate_weight [Hkv, d]``,
+    ``kvm_gate_bias [Hkv]`` (0, so every token weighs ``1 + ELU(0) = 1``: the plain mean)."""
+    cfg = module.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    like = next(module.parameters())
+    def param(fill, *shape):
+        return nn.Parameter(torch.full(shape, float(fill), dtype=like.dtype, device=like.device))
+    module.kvm_state_key_weight = param(1, kv_heads, head_dim)
+    module.kvm_state_key_bias = param(0, kv_heads, head_dim)
+    module.kvm_state_temp = param(1, heads)
+    module.kvm_window_temp = param(1, heads)
+    module.kvm_gate_weight = param(0, kv_heads, cfg.hidden_size)
+    module.kvm_gate_bias = param(0, kv_heads)

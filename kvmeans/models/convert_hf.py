@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
@@ -32,7 +33,9 @@ class KVMSpec:
     ``rope_mode``: see ``kvmeans.ops.pretrained``; ``rope_distance``: the relative position at which
     ``pre_rope_fixed`` reads state rows (None: twice the window span, ``2 * n_bswa_chunks * chunk_len``,
     measured better than the span itself on SmolLM2, docs/pretrained.md);
-    ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation).
+    ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation);
+    ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
+    ``kvmeans.layers.hf_attention.add_learned_parameters``), initialised to the training-free read.
     """
     budget: Union[StateBudget, int] = 128
     chunk_len: int = 32                # measured on SmolLM2: C=32, n=4 beats C=64, n=2 at the same kept keys
@@ -41,6 +44,7 @@ class KVMSpec:
     rope_mode: str = "pre_rope_fixed"
     rope_distance: Optional[int] = None
     log_count_bias: bool = True
+    learned: bool = False
 
     def __post_init__(self):
         as_budget(self.budget)
@@ -122,9 +126,9 @@ def parse_kvm_spec(text: str) -> dict:
             out[key] = _parse_budget(val)
         elif key == "rope_mode":
             out[key] = val
-        elif key == "log_count_bias":
+        elif key in ("log_count_bias", "learned"):
             if val not in ("true", "false", "1", "0"):
-                raise ValueError(f"log_count_bias must be true or false, got {val!r}")
+                raise ValueError(f"{key} must be true or false, got {val!r}")
             out[key] = val in ("true", "1")
         elif key == "rope_distance" and val == "none":
             out[key] = None
@@ -221,7 +225,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
 
 
 def load_converted(path, **from_pretrained_kwargs):
-    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings."""
+    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings (and, for
+    ``learned=True``, its learned KVM parameters from the folder's safetensors files)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
@@ -231,4 +236,26 @@ def load_converted(path, **from_pretrained_kwargs):
                          "load it with from_pretrained and call kvmeans.convert_hf")
     settings = dict(settings)
     layers = settings.pop("layers")
-    return convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
+    model = convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
+    if settings.get("learned"):
+        _load_learned(model, Path(path))
+    return model
+
+
+def _load_learned(model, path: Path) -> None:
+    """Copy the ``kvm_*`` parameters saved in ``path/*.safetensors`` into ``model`` (from_pretrained skips
+    them: the plain class has no such parameters)."""
+    from safetensors import safe_open
+
+    want = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("kvm_")}
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys() if k in want})
+    missing = sorted(set(want) - set(found))
+    if missing:
+        raise ValueError(f"{path}: config.json says learned=true but the weights lack {len(missing)} learned KVM "
+                         f"parameters (e.g. {missing[0]}); save the model again with save_pretrained")
+    with torch.no_grad():
+        for name, value in found.items():
+            want[name].copy_(value)

@@ -52,13 +52,14 @@ class ConvertedKVMState:
 
     ``buf_*`` hold the tokens ``[covered, seen)`` not yet in the state: their post-RoPE keys, values and
     the keys the state merges (unrotated keys in the pre-RoPE modes, None when equal to ``buf_k``);
-    ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``.
+    ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``;
+    ``buf_g`` ``[B, Hkv, n, 1]`` the buffered tokens' merge gates (None: every token weighs 1).
     """
 
     def __init__(self):
         self.seen = 0
         self.covered = 0
-        self.buf_k = self.buf_v = self.buf_s = None
+        self.buf_k = self.buf_v = self.buf_s = self.buf_g = None
         self.key_sum = self.value_sum = self.count = None
 
     @property
@@ -66,8 +67,8 @@ class ConvertedKVMState:
         return 0 if self.count is None else self.count.shape[-1]
 
     def _tensors(self):
-        return [t for t in (self.buf_k, self.buf_v, self.buf_s, self.key_sum, self.value_sum, self.count)
-                if t is not None]
+        return [t for t in (self.buf_k, self.buf_v, self.buf_s, self.buf_g, self.key_sum, self.value_sum,
+                            self.count) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +76,7 @@ class ConvertedKVMState:
 
     def index_select(self, idx: Tensor) -> "ConvertedKVMState":
         """Keep/reorder batch rows (beam search, batch selection) in place."""
-        for name in ("buf_k", "buf_v", "buf_s", "key_sum", "value_sum", "count"):
+        for name in ("buf_k", "buf_v", "buf_s", "buf_g", "key_sum", "value_sum", "count"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx.to(t.device)))
@@ -107,23 +108,32 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     skeys = st.buf_k if st.buf_s is None else st.buf_s
     base = st.seen - st.buf_v.shape[-2]                 # token index of the buffer's first token
     acc = torch.promote_types(st.buf_v.dtype, torch.float32)   # state sums: fp32 for half inputs
+    gate = None if st.buf_g is None else st.buf_g.to(acc)      # a token adds g*k, g*v and g to its row
     if st.count is None:                                 # the first chunk becomes the initial rows
         st.key_sum = skeys[..., :chunk_len, :].to(acc)
         st.value_sum = st.buf_v[..., :chunk_len, :].to(acc)
         st.count = st.key_sum.new_ones(st.key_sum.shape[:-1])
+        if gate is not None:
+            g = gate[..., :chunk_len, :]
+            st.key_sum, st.value_sum, st.count = st.key_sum * g, st.value_sum * g, g.squeeze(-1)
         st.covered = chunk_len
     for step in plan_updates(budget, st.covered, st.num_rows, total, chunk_len, n_bswa_chunks):
         blk = slice(step.start - base, step.start - base + chunk_len)
         bk, bv = skeys[..., blk, :].to(acc), st.buf_v[..., blk, :].to(acc)
         sel = F.normalize(bk, dim=-1)
         dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, step.n_append, sink_len)
+        ones = torch.ones_like(dest, dtype=st.count.dtype)
+        if gate is not None:
+            g = gate[..., blk, :]
+            bk, bv, ones = bk * g, bv * g, g.squeeze(-1)
         pad = (0, 0, 0, max(step.n_append, 0))
         st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
         st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
-        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, torch.ones_like(dest, dtype=st.count.dtype))
+        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, ones)
     drop = target - base
     st.buf_k, st.buf_v = st.buf_k[..., drop:, :], st.buf_v[..., drop:, :]
     st.buf_s = None if st.buf_s is None else st.buf_s[..., drop:, :]
+    st.buf_g = None if st.buf_g is None else st.buf_g[..., drop:, :]
     st.covered = target
 
 
@@ -132,13 +142,20 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
                             sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
-                            log_count_bias: bool = True) -> Tensor:
+                            log_count_bias: bool = True, merge_gate: Optional[Tensor] = None,
+                            state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
+                            state_temp: Optional[Tensor] = None, window_temp: Optional[Tensor] = None) -> Tensor:
     """Continue ``state`` by ``T`` tokens and return their attention output ``[B, H, T, Dv]``.
 
     ``q [B, H, T, D]`` and ``k [B, Hkv, T, D]`` as the model rotated them (post-RoPE), ``v [B, Hkv, T, Dv]``;
     ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
     ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
     absolute position, so any split of a sequence (prefill + decode) gives the same result.
+
+    Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
+    weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
+    ``[Hkv, D]`` an affine LN_s on the mean state keys; ``state_temp``/``window_temp`` ``[H]`` per-head
+    inverse temperatures of the state and window logits (before soft-capping).
     """
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
@@ -161,6 +178,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     state.buf_k, state.buf_v, state.seen = all_k, all_v, start + T
     if skeys is not None:
         state.buf_s = _cat(state.buf_s, skeys.to(k.dtype))
+    if merge_gate is not None:
+        state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
     c0, c1 = start // C, -(-(start + T) // C)
     rows = []                                      # the state each chunk of queries reads (tensors are not
     for c in range(c0, c1):                        # updated in place, so these are snapshots)
@@ -179,7 +198,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     def chunks(x):                                 # [B, H, T, D] -> [B, Hkv, nc, G*C, D] on the chunk grid
         x = F.pad(x.to(dt), (0, 0, off, nc * C - off - T))
         return x.reshape(B, Hkv, G, nc, C, D).transpose(2, 3).reshape(B, Hkv, nc, G * C, D)
-    qg = chunks(q)
+    qg = chunks(q if window_temp is None else q * window_temp.view(1, H, 1, 1))
     i, l_ = torch.arange(C, device=q.device), torch.arange(L, device=q.device)
     kpos = p0 + C * torch.arange(nc, device=q.device)[:, None, None] + l_          # [nc, 1, L]
     masked = ((l_[None, :] - i[:, None] > L - C) | (kpos < 0)).repeat(1, G, 1)    # [nc, G*C, L]
@@ -191,11 +210,14 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         ts = [like if r is None else r[j].to(dt) for r in rows]
         return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
     cnt = stacked(2, torch.zeros(B, Hkv, 0, device=q.device, dtype=dt))
-    mean_k = stacked(0, torch.zeros(B, Hkv, 0, D, device=q.device, dtype=dt)) / cnt.clamp_min(1).unsqueeze(-1)
-    mean_v = stacked(1, torch.zeros(B, Hkv, 0, v.shape[-1], device=q.device, dtype=dt)) / \
-        cnt.clamp_min(1).unsqueeze(-1)
+    div = cnt.masked_fill(cnt == 0, 1).unsqueeze(-1)      # padding rows: 0 / 1 (gated counts may be < 1)
+    mean_k = stacked(0, torch.zeros(B, Hkv, 0, D, device=q.device, dtype=dt)) / div
+    mean_v = stacked(1, torch.zeros(B, Hkv, 0, v.shape[-1], device=q.device, dtype=dt)) / div
+    if state_key_weight is not None:
+        mean_k = mean_k * state_key_weight.view(1, Hkv, 1, 1, D) + state_key_bias.view(1, Hkv, 1, 1, D)
     bias = cnt.log() if log_count_bias else torch.zeros_like(cnt).masked_fill(cnt == 0, float("-inf"))
-    sl = _softcap(torch.matmul(chunks(q_state), mean_k.transpose(-1, -2)) * scaling, softcap)
+    qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1)
+    sl = _softcap(torch.matmul(chunks(qs), mean_k.transpose(-1, -2)) * scaling, softcap)
     p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
     out = torch.matmul(p[..., :M], mean_v) + torch.matmul(p[..., M:], vw)
     return _from_grid(out, G, off, T, q.dtype)
