@@ -1,10 +1,13 @@
 """Recurrent KVM: continue a carried state with 1 (decode), a few, or many tokens; no autograd.
 
 Buffers are preallocated and written in place: state rows grow geometrically, the window buffer
-holds ``L + C`` tokens and slides by one chunk when a block leaves it (one copy per C tokens).
-The JIT-normalised state is cached between chunk boundaries, so a decode step costs
-O((rows + window) * D) per head and never grows with the tokens seen.
-Deviation from ``naive.py``: temperatures are applied to the query instead of the keys (same product).
+holds at most ``L`` tokens and slides by one chunk when a block leaves it (one copy per C tokens): a block is
+absorbed before the tokens that push it out are written. The JIT-normalised state is cached between chunk
+boundaries, right before the window in one buffer per keys / values (``state._joint``), so a one-token step
+reads ``[read-out rows ; window]`` with one matmul pair, costs O((rows + window) * D) per head and never grows
+with the tokens seen.
+Deviation from ``naive.py``: temperatures are applied to the query (or, for one query, to its scores) instead of
+the keys (same product).
 
 ``attn="triton"``: the attention of a step runs :func:`kvmeans.ops.triton.decode.decode_attention` and a
 chunk-boundary update routes with :func:`kvmeans.ops.triton.update.route_overflow_triton` and accumulates
@@ -22,7 +25,7 @@ from torch import Tensor
 
 from .masking import finite_tokens, poison, rows_poison, window_poison
 from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
-from .schedule import bswa_begin, plan_updates
+from .schedule import bswa_begin, coverage_after, plan_updates
 from .state import KVMState
 
 
@@ -36,23 +39,30 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
     ln = (state_norm_weight, state_norm_bias, state_norm_eps)
     own_buffers(state)
     t0, T = state.seen_tokens, q.shape[2]
+    if T == 1 and attn == "torch" and t0 % C and t0 > C and state.coverage == coverage_after(t0, C, n):
+        joint = _joint(state)         # a step inside a chunk: no block leaves the window, nothing to absorb
+        at = t0 - state.window_start
+        if joint is not None and at < state.window_capacity:
+            for buf, x in ((state.window_keys, k), (state.window_values, v), (state.window_gates, gate)):
+                buf.narrow(2, at, 1).copy_(x)
+            state.seen_tokens = t0 + 1
+            return _attend_one(state, q, joint, ln, state_temp, bswa_temp, scale), state
     outs, pos = [], t0
     while pos < t0 + T:
         e = min(t0 + T, (pos // C + 1) * C)              # queries [pos, e) lie in one chunk
-        w_start = state.window_start
+        w_old, w_new = state.window_start, bswa_begin(e, C, n)
         new = slice(pos - t0, e - t0)
-        at = slice(pos - w_start, e - w_start)
-        _reserve_window(state, e - w_start)
-        state.window_keys[:, :, at] = k[:, :, new]
-        state.window_values[:, :, at] = v[:, :, new]
-        state.window_gates[:, :, at] = gate[:, :, new]
-        absorb(state, state.window_keys, state.window_values, state.window_gates, w_start, e, budget, ln,
-               gate_keys, gate_values, gate_appends, attn=attn)
-        drop = bswa_begin(e, C, n) - w_start
-        if drop:                                          # slide the window by the block(s) that left it
-            keep = e - w_start - drop
-            for buf in (state.window_keys, state.window_values, state.window_gates):
-                buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
+        wbuf = lambda: (state.window_keys, state.window_values, state.window_gates)
+        if pos < C:         # the first chunk: its tokens become rows, so they are written first (w_new = 0)
+            _write_window(state, pos - w_old, k[:, :, new], v[:, :, new], gate[:, :, new])
+            absorb(state, *wbuf(), w_old, e, budget, ln, gate_keys, gate_values, gate_appends, attn=attn)
+        else:               # a block leaving the window lies before pos: absorb it, slide, then write (<= L tokens)
+            absorb(state, *wbuf(), w_old, e, budget, ln, gate_keys, gate_values, gate_appends, attn=attn)
+            drop, keep = w_new - w_old, pos - w_new
+            if drop and keep:                             # slide the window by the block(s) that left it
+                for buf in wbuf():
+                    buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
+            _write_window(state, pos - w_new, k[:, :, new], v[:, :, new], gate[:, :, new])
         state.seen_tokens = e
         if attn == "triton":
             outs.append(_attend_triton(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
@@ -60,6 +70,13 @@ def recurrent_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_nor
             outs.append(_attend(state, q[:, :, new], pos, ln, state_temp, bswa_temp, scale))
         pos = e
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 2)), state
+
+
+def _write_window(state: KVMState, at: int, k: Tensor, v: Tensor, g: Tensor) -> None:
+    """Write tokens ``k, v, g`` (``[B, Hkv, t, ...]``) into the window buffers from slot ``at``."""
+    _reserve_window(state, at + k.shape[2])
+    sl = slice(at, at + k.shape[2])
+    state.window_keys[:, :, sl], state.window_values[:, :, sl], state.window_gates[:, :, sl] = k, v, g
 
 
 def own_buffers(state: KVMState, rows: int = 0, window: int = 0) -> None:
@@ -77,12 +94,17 @@ def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
     B, Hkv, D, Dv = keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]
     fresh = KVMState.empty(B, Hkv, D, Dv, dtype=keys.dtype, device=keys.device, chunk_len=state.chunk_len,
                            n_bswa_chunks=state.n_bswa_chunks, sink_len=state.sink_len, rope_dim=state.rope_dim,
-                           value_radius=state.value_radius, row_capacity=rows_cap, window_capacity=win_cap)
+                           value_radius=state.value_radius, row_capacity=rows_cap, window_capacity=0)
+    # [read-out rows (right-aligned, written by _readout_cached) ; window]: the window buffers are views of these
+    joint = [keys.new_zeros(B, Hkv, rows_cap + win_cap, d) for d in (D, Dv)]
+    fresh.window_keys, fresh.window_values = (j[:, :, rows_cap:] for j in joint)
+    fresh.window_gates = wg.new_zeros(B, Hkv, win_cap)
     m, w = keys.shape[2], wk.shape[2]
     fresh.keys[:, :, :m], fresh.values[:, :, :m], fresh.radii[:, :, :m] = keys, values, radii
     fresh.window_keys[:, :, :w], fresh.window_values[:, :, :w], fresh.window_gates[:, :, :w] = wk, wv, wg
     for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
         setattr(state, name, getattr(fresh, name))
+    state._joint = joint
     # the decode kernel's [rows, window_len] (int32, on the device; _decode_lengths keeps it current): kept when
     # an owned state grows its rows, new for a state that is not owned yet (a copy must not share it)
     if not state._owned or getattr(state, "_lengths", None) is None:
@@ -97,7 +119,8 @@ def _reserve_rows(state: KVMState, rows: int) -> None:
 
 
 def _reserve_window(state: KVMState, tokens: int) -> None:
-    """Room for ``tokens`` window tokens (at most ``L + C``: the window and the chunk being filled)."""
+    """Room for ``tokens`` window tokens (this module asks for at most ``L``; the cap ``L + C`` serves callers that
+    write a chunk before absorbing the block it pushes out)."""
     if tokens > state.window_capacity:
         most = (state.n_bswa_chunks + 1) * state.chunk_len
         _alloc(state, state.row_capacity, min(max(tokens, 2 * state.window_capacity), most), *state.rows(),
@@ -173,13 +196,49 @@ def _readout_cached(state: KVMState, ln):
     w, b, eps = ln
     key = (state.num_rows, id(w), None if w is None else w._version, id(b), None if b is None else b._version, eps)
     if state._readout is None or state._readout[0] != key:
-        state._readout = (key, *readout(*state.rows(), state.value_radius, *ln))
+        k_hat, v_hat = readout(*state.rows(), state.value_radius, *ln)
+        joint = _joint(state)
+        if joint is not None:           # kept right before the window (see _attend_one)
+            kj, vj, cap = joint
+            m = state.num_rows
+            k_hat, v_hat = kj[:, :, cap - m:cap].copy_(k_hat), vj[:, :, cap - m:cap].copy_(v_hat)
+        state._readout = (key, k_hat, v_hat)
     return state._readout[1], state._readout[2]
+
+
+def _joint(state: KVMState):
+    """``(keys, values, cap)``: the buffers ``[B, Hkv, cap + window_capacity, D|Dv]`` whose slots from ``cap`` on are
+    the state's window buffers (:func:`_alloc`), or None when the state's buffers are not laid out so."""
+    joint = getattr(state, "_joint", None) if state._owned else None
+    if joint is None or state.window_keys._base is not joint[0] or state.window_values._base is not joint[1]:
+        return None
+    cap = joint[0].shape[2] - state.window_capacity
+    return (*joint, cap) if state.num_rows <= cap else None
+
+
+def _attend_one(state: KVMState, q: Tensor, joint, ln, state_temp, bswa_temp, scale) -> Tensor:
+    """One query ``[B, H, 1, D]`` (the last window token's position) over ``[state ; window]``: one matmul pair on
+    the joint buffer, temperatures on the scores; ``[B, H, 1, Dv]``. Nothing is masked: a non-finite operand
+    reaches the output through the products, as in :func:`_attend`."""
+    B, H, _, D = q.shape
+    kj, vj, cap = joint
+    m = 0
+    if state.window_start > 0:
+        _readout_cached(state, ln)
+        m = state.num_rows
+    w, Hkv = state.window_len, kj.shape[1]
+    s = (q.reshape(B, Hkv, H // Hkv, D) * scale) @ kj[:, :, cap - m:cap + w].transpose(-1, -2)   # [B, Hkv, rep, m+w]
+    s[..., :m].mul_(state_temp.view(1, Hkv, -1, 1))
+    s[..., m:].mul_(bswa_temp.view(1, Hkv, -1, 1))
+    return (torch.softmax(s, -1) @ vj[:, :, cap - m:cap + w]).view(B, H, 1, -1)
 
 
 def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
     """Queries ``[B, H, t, D]`` at positions ``q_start...`` over ``[state ; window]``; returns ``[B, H, t, Dv]``."""
     B, H, t, D = q.shape
+    joint = _joint(state) if t == 1 else None
+    if joint is not None:
+        return _attend_one(state, q, joint, ln, state_temp, bswa_temp, scale)
     Hkv = state.keys.shape[1]
     rep = H // Hkv
     group = lambda x: x.reshape(B, Hkv, rep * t, x.shape[-1])          # query heads of one kv head together
