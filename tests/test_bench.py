@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 
 from kvmeans import StateBudget
-from kvmeans.bench.flops import useful_flops
-from kvmeans.bench.ops import main
+from kvmeans.bench.flops import useful_bytes, useful_flops
+from kvmeans.bench.ops import main, parse_args
 from kvmeans.cli import main as cli
 
 SMALL = ["--lengths", "256", "512", "--heads", "2", "--head-dim", "16", "--chunk-len", "64", "--repeats", "1",
@@ -39,6 +39,13 @@ def test_bench_ops_writes_csv_and_png(tmp_path, capsys):
         gflops = float(r["useful_gflop"]) / (float(r["time_ms"]) / 1e3)
         assert float(r["gflops"]) == pytest.approx(gflops)
         assert float(r["bound_fraction"]) == pytest.approx(gflops / float(r["matmul_gflops"]))
+    for r in rows:                                   # decode: bytes read per token / time against a plain read
+        if r["mode"] != "decode":
+            assert r["read_fraction"] == ""
+            continue
+        gbps = float(r["useful_read_mb"]) * 2 ** 20 / (float(r["time_ms"]) / 1e3) / 1e9
+        assert float(r["read_gbps"]) == pytest.approx(gbps) and float(r["read_rate_gbps"]) > 0
+        assert float(r["read_fraction"]) == pytest.approx(gbps / float(r["read_rate_gbps"]))
 
 
 def test_useful_flops_by_hand():
@@ -55,6 +62,20 @@ def test_useful_flops_by_hand():
     kw["decode_steps"] = 2
     assert useful_flops("kvm", "decode", 10, budget=fixed, **kw) == (4 * (5 + 6) + 2 * 4) / 2
     assert useful_flops("sdpa", "decode", 10, **kw) == 4 * (11 + 12) / 2
+
+
+def test_useful_bytes_by_hand():
+    """Decode after T=10 (C=2, n=2, fixed 2 rows), positions 10 and 11: 3 and 4 window keys plus 2 rows each, read
+    once per kv head: 2 (k, v) * B * Hkv * D * elem bytes per key."""
+    kw = dict(batch=1, kv_heads=2, head_dim=3, chunk_len=2, n_bswa_chunks=2, decode_steps=2, elem=4)
+    assert useful_bytes("kvm", 10, budget=StateBudget.fixed(2), **kw) == 2 * 2 * 3 * 4 * (5 + 6) / 2
+    assert useful_bytes("sdpa", 10, **kw) == 2 * 2 * 3 * 4 * (11 + 12) / 2
+
+
+def test_decode_steps_default_to_one_chunk():
+    """The mean per decode token carries one chunk-boundary update per chunk_len tokens, as a long generation."""
+    assert parse_args(["--chunk-len", "64"]).decode_steps == 64
+    assert parse_args(["--quick"]).decode_steps == 16
 
 
 def test_cli_routes_to_bench(tmp_path):

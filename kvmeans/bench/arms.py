@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmeans import StateBudget, kvm_attention
+from kvmeans.ops.recurrent import own_buffers
 
 ARMS = ("sdpa", "kvm-fixed256", "kvm-sqrt16")
 BUDGETS = {"kvm-fixed256": StateBudget.fixed(256), "kvm-sqrt16": StateBudget.power_law(16, 0.5, min_len=256)}
@@ -138,7 +139,8 @@ def measure_decode(a, arm, x, ctx) -> Dict[str, float]:
                 sdpa(x.qd[:, :, i:i + 1], kc[:, :, :T + i + 1], vc[:, :, :T + i + 1], False)
                 steps.append(clock(a.dev) - t0)
         else:
-            state = ctx.clone()                # every repeat continues the same T-token state
+            state = ctx.clone()                # every repeat continues the same T-token state,
+            own_buffers(state)                 # in buffers of its own, as the prefill left them
             for i in range(a.decode_steps):
                 s = slice(i, i + 1)
                 t0 = clock(a.dev)

@@ -8,16 +8,20 @@ Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed2
   prefill:  forward of T tokens under ``torch.no_grad()`` (KVM with ``return_state=False``).
   backward: ``(y * dy).sum().backward()`` only; q, k, v (and gate for KVM) require grad. The forward
             with grad is timed separately (CSV ``fwd_grad_ms``).
-  decode:   mean per-token time of ``--decode-steps`` consecutive one-token steps after T tokens:
-            KVM continues a prefilled state (``initial_state``, recurrent path; the first step adopts the
-            prefill buffers and, for T a multiple of chunk_len, runs a chunk-boundary update); SDPA writes
-            the new k/v into a preallocated cache and attends one query over ``cache[:T+i+1]``.
-            CSV ``step_median_ms`` / ``step_max_ms`` give the steady-state and the worst step.
+  decode:   mean per-token time of ``--decode-steps`` (default chunk_len: one chunk-boundary update per C
+            tokens, as in a long generation) consecutive one-token steps after T tokens: KVM continues a
+            copy of a prefilled state (``initial_state``, recurrent path; the copy adopts its buffers before the
+            clock starts, as a prefill leaves them; for T a multiple of chunk_len the first step runs a
+            chunk-boundary update); SDPA writes the new k/v into a preallocated cache and attends one query over
+            ``cache[:T+i+1]``. CSV ``step_median_ms`` / ``step_max_ms`` give the steady-state and the worst step.
 Memory: KVM state rows and ``state.nbytes`` right after prefilling T tokens (``state_bytes``; the
 decode buffers with spare capacity are ``state_bytes_decode``) vs the KV cache ``2*B*Hkv*T*D*elem``.
 FLOP bound: each arm's useful FLOPs (:mod:`kvmeans.bench.flops`) per second against the rate of one large matmul
 in the run's dtype, measured at the start and at the end of the run (the faster is kept): CSV ``useful_gflop``,
-``gflops``, ``matmul_gflops``, ``bound_fraction``; the table's "of bound" column.
+``gflops``, ``matmul_gflops``, ``bound_fraction``; the table's "of bound" column. Decode is bound by reading
+its keys and values instead: ``useful_read_mb`` per token, ``read_gbps`` reached, ``read_rate_gbps`` of a plain
+read of as many bytes (measured after the decode repeats of each T) and ``read_fraction``, which the table's
+"of bound" column shows for decode rows.
 KVM implementation (``--kvm-impl``, CSV ``kvm_impl``): auto = the Triton kernels on CUDA when Triton is
 installed (``backend="triton"``), the torch paths otherwise; run once with ``torch`` and once with ``triton``
 to compare them. On CUDA the warm-up call also runs the kernels' autotuning.
@@ -40,7 +44,7 @@ from kvmeans.ops.schedule import rows_after
 from kvmeans.utils.cli import UsageError, check_device, check_out_dir, run_main
 
 from .arms import ARMS, BUDGETS, DTYPES, MEASURE, MODES, is_oom, make_inputs, prepare_decode, resolved_kvm_impl
-from .flops import matmul_rate, useful_flops
+from .flops import matmul_rate, read_rate, useful_bytes, useful_flops
 from .report import env_info, format_env, human_bytes, plot_panels, print_table, write_csv, write_json
 CPU_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 CUDA_LENGTHS = CPU_LENGTHS + [65536]
@@ -48,7 +52,8 @@ COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
            "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics",
-           "saved_bytes", "useful_gflop", "gflops", "matmul_gflops", "bound_fraction"]
+           "saved_bytes", "useful_gflop", "gflops", "matmul_gflops", "bound_fraction", "useful_read_mb", "read_gbps",
+           "read_rate_gbps", "read_fraction"]
 
 
 @dataclass
@@ -82,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=int, nargs="+", help=f"T values (default cpu {CPU_LENGTHS}, cuda adds 65536)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, help="timed repeats per (T, mode, arm), median reported (default 3)")
-    p.add_argument("--decode-steps", type=int, help="decode tokens timed per repeat (default 64)")
+    p.add_argument("--decode-steps", type=int, help="decode tokens timed per repeat (default --chunk-len)")
     p.add_argument("--paper-shape", action="store_true", help="B=8, H=32, D=128, bfloat16 (meant for GPU)")
     p.add_argument("--max-sdpa-len", type=int, help="skip the SDPA arm for T above this")
     p.add_argument("--out", help="output folder (default bench-results/ops-<timestamp>)")
@@ -100,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.numerics = a.numerics or ("mixed" if a.dtype in ("bfloat16", "float16") else "exact")
     a.lengths = a.lengths or ([512, 1024, 2048] if quick else CPU_LENGTHS if a.device == "cpu" else CUDA_LENGTHS)
     a.repeats = (1 if quick else 3) if a.repeats is None else a.repeats
-    a.decode_steps = (16 if quick else 64) if a.decode_steps is None else a.decode_steps
+    a.decode_steps = (16 if quick else a.chunk_len) if a.decode_steps is None else a.decode_steps
     a.modes = [m for m in MODES if m in a.modes]
     _check_args(a)
     if a.device == "cpu" and a.dtype != "float32":
@@ -194,6 +199,9 @@ def run(argv=None) -> OpsResult:
                         res[T, mode, arm].setdefault(name, []).append(val)
                     print(f"[ops] T={T} {mode} {arm} rep {r + 1}/{a.repeats}: {m['time'] * 1e3:.3f} ms "
                           f"({time.perf_counter() - start:.0f} s elapsed)", file=sys.stderr, flush=True)
+            if mode == "decode":                # the read bound of each arm's bytes per token, measured now
+                for arm in live:
+                    res[T, mode, arm]["read_rate"] = [read_rate(a.dev, _decode_bytes(a, arm, T))]
             del ctx
             if a.dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -212,6 +220,12 @@ def run(argv=None) -> OpsResult:
           f"{rates[1] / 1e9:.1f} at end; the bound uses {a.matmul_rate:.1f}")
     print(f"# /proc/loadavg at end: {info['loadavg_end']}  ({time.perf_counter() - start:.0f} s)")
     return _report(a, info, res, mem)
+
+
+def _decode_bytes(a, arm, T) -> float:
+    return useful_bytes(arm, T, batch=a.batch, kv_heads=a.kv_heads, head_dim=a.head_dim, chunk_len=a.chunk_len,
+                        n_bswa_chunks=a.n_bswa_chunks, decode_steps=a.decode_steps,
+                        elem=torch.empty(0, dtype=DTYPES[a.dtype]).element_size(), budget=BUDGETS.get(arm))
 
 
 def _ms(vals, pick=statistics.median):
@@ -234,6 +248,12 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
                              chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, decode_steps=a.decode_steps,
                              budget=BUDGETS.get(arm))
         rate = flops / (t / 1e3) / 1e9 if t else None          # GFLOP/s of useful work
+        read = {}
+        if mode == "decode" and t and r.get("read_rate"):
+            nbytes = _decode_bytes(a, arm, T)
+            got, peak = nbytes / (t / 1e3) / 1e9, r["read_rate"][0] / 1e9
+            read = {"useful_read_mb": nbytes / 2 ** 20, "read_gbps": got, "read_rate_gbps": peak,
+                    "read_fraction": got / peak}
         rows.append({"T": T, "mode": mode, "arm": arm, "time_ms": t, "time_min_ms": _ms(r.get("time"), min),
                      "time_max_ms": _ms(r.get("time"), max), "repeats": len(r.get("time", [])),
                      "fwd_grad_ms": _ms(r.get("fwd_grad")), "step_median_ms": _ms(r.get("step_median")),
@@ -242,7 +262,7 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
                      "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"),
                      "saved_bytes": int(max(r["saved_bytes"])) if r.get("saved_bytes") else None,
                      "useful_gflop": flops / 1e9, "gflops": rate, "matmul_gflops": a.matmul_rate,
-                     "bound_fraction": rate / a.matmul_rate if rate else None, **cfg})
+                     "bound_fraction": rate / a.matmul_rate if rate else None, **read, **cfg})
     return rows
 
 
@@ -257,8 +277,8 @@ def _report(a, info, res, mem) -> OpsResult:
             g = lambda arm, k: by.get((T, mode, arm), {}).get(k)
             cell = lambda arm: "oom" if g(arm, "status") == "oom" else fmt(g(arm, "time_ms"))
             sp = lambda arm: "" if g(arm, "speedup_vs_sdpa") is None else f"{g(arm, 'speedup_vs_sdpa'):.2f}x"
-            bound = lambda arm: "-" if g(arm, "bound_fraction") is None else \
-                f"{100 * g(arm, 'bound_fraction'):.{0 if g(arm, 'bound_fraction') >= 0.1 else 1}f}%"
+            of = "read_fraction" if mode == "decode" else "bound_fraction"
+            bound = lambda arm: "-" if g(arm, of) is None else f"{100 * g(arm, of):.{0 if g(arm, of) >= 0.1 else 1}f}%"
             mf, ms = mem.get((T, "kvm-fixed256"), {}), mem.get((T, "kvm-sqrt16"), {})
             table.append([T, mode, cell("sdpa"), cell("kvm-fixed256"), cell("kvm-sqrt16"), sp("kvm-fixed256"),
                           sp("kvm-sqrt16"), mf.get("rows", ""), ms.get("rows", ""),
@@ -266,7 +286,8 @@ def _report(a, info, res, mem) -> OpsResult:
                           human_bytes(kv(T)), "/".join(bound(arm) for arm in ARMS)])
     print(f"\n# times in ms (median of {a.repeats}); decode = mean per token over {a.decode_steps} steps; "
           f"speedup = sdpa / kvm; bytes per layer; of bound = useful FLOPs / time / matmul rate "
-          f"({a.matmul_rate:.1f} GFLOP/s; kvmeans.bench.flops)")
+          f"({a.matmul_rate:.1f} GFLOP/s; kvmeans.bench.flops), for decode keys/values read per token / time / "
+          f"read rate of as many bytes")
     print_table(["T", "mode", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt", "rows fixed",
                  "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes", "of bound sdpa/fixed/sqrt"], table)
     if "backward" in a.modes:
