@@ -9,12 +9,13 @@ import torch
 
 tf = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
+from kvmeans.cli import main as kvmeans_main  # noqa: E402
 from kvmeans.eval.pretrained_ppl import text_windows  # noqa: E402
 from kvmeans.models.convert_hf import convert_hf, load_converted  # noqa: E402
 from kvmeans.ops.pretrained import ConvertedKVMState, converted_kvm_attention  # noqa: E402
+from kvmeans.train.config import ConfigError  # noqa: E402
 from kvmeans.train.distill import (DistillConfig, Distiller, alignment_loss, distill, kl_loss,  # noqa: E402
                                    trainable_parameters)
-from kvmeans.train.distill_cli import main as distill_main  # noqa: E402
 from kvmeans.train.distill_data import training_sequences  # noqa: E402
 from test_convert_hf import FAMILIES, SMALL, ids, tiny  # noqa: E402
 from test_convert_hf_padding import left_pad, positions, rows  # noqa: E402
@@ -231,6 +232,15 @@ def test_resumed_run_equals_an_uninterrupted_one(teacher_dir, tmp_path):
         assert torch.equal(p, q), n
 
 
+def test_a_finished_stage_1_run_continues_into_stage_2_on_resume(teacher_dir, tmp_path):
+    done = distill(config(teacher_dir, tmp_path / "r", stage2_steps=0), log_fn=lambda m: None)
+    assert done["steps"] == 3
+    more = distill(config(teacher_dir, tmp_path / "r", stage2_steps=2), resume=True, log_fn=lambda m: None)
+    assert more["steps"] == 5 and len(more["losses"]) == 2
+    with pytest.raises(ConfigError, match="stage2_steps"):             # stage 2 has begun: its length is fixed
+        distill(config(teacher_dir, tmp_path / "r", stage2_steps=4), resume=True, log_fn=lambda m: None)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--seq-len", "16"], "--seq-len 16 never leaves the KVM window"),
     (["--kvm", "budget=8,chunk_len=x"], "--kvm budget=8,chunk_len=x: chunk_len must be"),
@@ -243,6 +253,6 @@ def test_cli_mistakes_are_one_line(teacher_dir, tmp_path, capsys, extra, message
     teacher, files = teacher_dir
     argv = ["--teacher", str(teacher), "--kvm", SPEC, "--out", str(tmp_path / "o"), "--data", *files,
             "--seq-len", "96", "--holdout", "1", "96", "0"]
-    assert distill_main(argv + extra) == 2
+    assert kvmeans_main(["distill", *argv, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

@@ -49,7 +49,7 @@ from .runtime import Runtime, setup_runtime
 
 __all__ = ["DistillConfig", "Distiller", "distill", "trainable_parameters", "alignment_loss", "kl_loss"]
 
-# settings a resumed run may change; any other difference is refused
+# settings a resumed run may change (and stage2_steps until stage 2 has begun); any other difference is refused
 _RESUMABLE = ("out", "ckpt_every", "log_every", "threads")
 
 
@@ -241,7 +241,8 @@ class Distiller:
             remove_temp_files(self.out / "ckpt")
         state = load_checkpoint(path)
         saved, now = state["config"], self.cfg.to_dict()
-        changed = sorted(k for k in set(saved) | set(now) if k not in _RESUMABLE and saved.get(k) != now.get(k))
+        free = _RESUMABLE + (("stage2_steps",) if state["step"] <= saved["stage1_steps"] else ())
+        changed = sorted(k for k in set(saved) | set(now) if k not in free and saved.get(k) != now.get(k))
         if changed:
             raise ConfigError(f"{path} was written by a run with other settings ({', '.join(changed)}: "
                               f"{[saved.get(k) for k in changed]}); resume with the same settings")
