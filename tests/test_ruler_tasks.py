@@ -19,7 +19,7 @@ tk = pytest.importorskip("tokenizers")
 
 from kvmeans.eval import ruler, ruler_tasks as rt  # noqa: E402
 from kvmeans.eval.ruler_cli import averages, format_table, main as ruler_main  # noqa: E402
-from kvmeans.eval.ruler_tasks import cwe, fwe, vt  # noqa: E402
+from kvmeans.eval.ruler_tasks import cwe, fwe, qa, vt  # noqa: E402
 from kvmeans.train.tokenizers import EOT, gpt2_hf_tokenizer  # noqa: E402
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "ruler_tasks_golden.json").read_text(encoding="utf-8"))
@@ -172,6 +172,77 @@ def test_fwe_answers_are_ranks_two_to_four(samples):
             assert r["answer_prefix"] == fwe.ANSWER_PREFIX
 
 
+# ---- QA from the user's files ---------------------------------------------------------------------------------
+WORDS = "river stone quiet lamp garden copper window orbit maple harbor candle silver meadow falcon thunder".split()
+
+
+def _para(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + "."
+
+
+@pytest.fixture(scope="module")
+def qa_files(tmp_path_factory):
+    """A tiny SQuAD 2.0 file (3 articles x 4 paragraphs, one unanswerable question each) and a HotpotQA one."""
+    rng, d = random.Random(0), tmp_path_factory.mktemp("qa")
+    articles = []
+    for a in range(3):
+        paras = []
+        for p in range(4):
+            text = f"Article {a} paragraph {p} says the answer is ANS{a}{p}. " + _para(rng, 15)
+            paras.append({"context": text, "qas": [
+                {"question": f"What does article {a} paragraph {p} say?", "is_impossible": False,
+                 "answers": [{"text": f"ANS{a}{p}", "answer_start": 0}, {"text": f"ans{a}{p} alt", "answer_start": 0}]},
+                {"question": "Unanswerable?", "is_impossible": True, "answers": []}]})
+        articles.append({"title": f"T{a}", "paragraphs": paras})
+    (d / "dev-v2.0.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
+    hotpot = [{"_id": str(i), "question": f"Which bridge joins {i}?", "answer": f"BRIDGE{i}", "type": "bridge",
+               "supporting_facts": [], "context": [[f"Title {i}-{j}", [f"Doc {i}-{j} mentions BRIDGE{i}. ", _para(rng, 5)]]
+                                                   for j in range(10)]} for i in range(4)]
+    (d / "hotpot_dev_distractor_v1.json").write_text(json.dumps(hotpot))
+    return d / "dev-v2.0.json", d / "hotpot_dev_distractor_v1.json"
+
+
+def test_qa_data_read_as_ruler(qa_files):
+    squad, hotpot = map(qa.load_qa_data, qa_files)
+    assert (squad.name, squad.task, len(squad.qas), len(squad.docs)) == ("squad", "qa_1", 12, 12)
+    assert squad.docs == sorted(squad.docs) and squad.qas[5]["outputs"] == ["ANS11", "ans11 alt"]
+    assert squad.docs[squad.qas[5]["context"][0]].startswith("Article 1 paragraph 1 ")
+    assert sorted(squad.qas[5]["context"] + squad.qas[5]["more_context"]) == sorted(
+        squad.docs.index(p) for p in squad.docs if p.startswith("Article 1 "))
+    assert (hotpot.name, hotpot.task, len(hotpot.qas), len(hotpot.docs)) == ("hotpotqa", "qa_2", 4, 40)
+    assert hotpot.docs[hotpot.qas[2]["context"][0]].startswith("Title 2-0\nDoc 2-0 mentions BRIDGE2. ")
+
+
+def test_qa_samples_hold_their_documents_within_the_budget(qa_files, tok):
+    count = ruler.token_counter(tok)
+    data = {d.task: d for d in map(qa.load_qa_data, qa_files)}
+    for task, n in (("qa_1", 1500), ("qa_1", 3000), ("qa_2", 3000)):
+        recs = rt.generate_samples(task, n, 3, tok, qa_data=data)
+        assert recs == rt.generate_samples(task, n, 3, tok, qa_data=data)
+        for i, r in enumerate(recs):
+            q = data[task].qas[i]                                   # sample i asks question i
+            assert r["input"].endswith("Question: " + q["query"]) and r["outputs"] == q["outputs"]
+            assert r["answer_prefix"] == qa.ANSWER_PREFIX
+            for j in q["context"]:                                  # its own documents are all there
+                assert re.search(r"Document \d+:\n" + re.escape(data[task].docs[j]), r["input"])
+            assert len(re.findall(r"Document \d+:\n", r["input"])) == r["num_haystack"]
+            assert r["length"] == count(r["input"] + r["answer_prefix"]) + 32 <= n
+    with pytest.raises(ValueError, match=r"--samples 20: .* has 12 questions"):
+        rt.generate_samples("qa_1", 3000, 20, tok, qa_data=data)
+    assert rt.score("qa_1", ["it is ans00 alt", "no"], [["ANS00", "ans00 alt"], ["x"]])[0] == 50.0
+
+
+def test_cli_runs_qa_from_the_given_files(byte_model_dir, qa_files, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert ruler_main(["--model", str(byte_model_dir), "--qa-data", *map(str, qa_files), "--tasks", "qa_1", "qa_2",
+                       "--lengths", "3000", "--samples", "2", "--max-new-tokens", "2", "--out", str(out),
+                       "--no-progress"]) == 0
+    res = json.loads((out / "ruler.json").read_text())
+    assert [s["task"] for s in res["scores"]] == ["qa_1", "qa_2"] and res["config"]["metrics"]["qa_1"] == "string_match_part"
+    assert res["config"]["qa_data"]["qa_2"]["questions"] == 4 and res["averages"][0]["n_tasks"] == 2
+    assert [x.split()[0] for x in capsys.readouterr().out.splitlines()[1:3]] == ["QA-1", "QA-2"]
+
+
 # ---- metrics --------------------------------------------------------------------------------------------------
 def test_metrics_on_hand_made_predictions():
     refs = [["alpha", "Beta"], ["gamma"], ["delta", "eps"]]
@@ -246,7 +317,13 @@ def test_cli_writes_table_csv_json_with_the_average_and_task_list(byte_model_dir
 def test_cli_refuses_qa_and_small_lengths_in_one_line(byte_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         ruler_main(["--model", str(byte_model_dir), "--tasks", "qa_1", "--out", str(tmp_path / "o")])
-    assert "--tasks qa_1: RULER's QA tasks need SQuAD / HotpotQA" in capsys.readouterr().err
+    assert "--tasks qa_1: RULER's QA tasks need their data set, which kvmeans does not ship: pass your copy of " \
+           "SQuAD 2.0's dev-v2.0.json with --qa-data PATH" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 2}')
+    with pytest.raises(SystemExit):
+        ruler_main(["--model", str(byte_model_dir), "--qa-data", str(bad)])
+    assert f"--qa-data {bad}: neither SQuAD 2.0" in capsys.readouterr().err
     assert ruler_main(["--model", str(byte_model_dir), "--tasks", "vt", "--lengths", "600",
                        "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()

@@ -2,15 +2,15 @@
 
     kvmeans eval ruler --model DIR --lengths 4096 8192 [--tasks niah_single_1 vt cwe ...] [--samples 500]
 
-Data: :mod:`kvmeans.eval.ruler_tasks` (the eight NIAH tasks, ``vt``, ``cwe``, ``fwe``; RULER's templates,
-samplers, seed 42 and budget ``tokens(prompt) + tokens_to_generate <= length`` with the model's tokenizer).
-The prompt is ``input + answer_prefix``; greedy decoding of up to the task's ``tokens_to_generate`` (128 /
-30 / 120 / 50), stopping at EOS; score = the task's RULER metric x100 per (task, length). Batching, padding
-and converted models (``--kvm SPEC``: one prompt at a time) as in ``kvmeans eval niah``.
+Data: :mod:`kvmeans.eval.ruler_tasks` (the eight NIAH tasks, ``vt``, ``cwe``, ``fwe``, and ``qa_1`` /
+``qa_2`` from your SQuAD / HotpotQA files given with ``--qa-data``; RULER's templates, samplers, seed 42 and
+budget ``tokens(prompt) + tokens_to_generate <= length`` with the model's tokenizer). The prompt is
+``input + answer_prefix``; greedy decoding of up to the task's ``tokens_to_generate`` (128 / 30 / 120 / 50 /
+32), stopping at EOS; score = the task's RULER metric x100 per (task, length). Batching, padding and
+converted models (``--kvm SPEC``: one prompt at a time) as in ``kvmeans eval niah``.
 
 The RULER average per length is the mean over the tasks that ran at that length; the paper's "RULER avg"
-is over all 13 tasks (with qa_1 / qa_2, not generated here), so the table, the CSV and the JSON say which
-tasks it covers. Output: ``ruler.json`` (config, haystack, per-(task, length) scores, averages, per-sample
+is over all 13 tasks (the QA ones included), so the table, the CSV and the JSON say which tasks it covers. Output: ``ruler.json`` (config, haystack, per-(task, length) scores, averages, per-sample
 predictions) and ``ruler.csv`` (``task,length,samples,metric,score``; one ``ruler_avg`` row per length) in
 ``--out`` (default ``results/ruler/<model>-<timestamp>``).
 """
@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..cli import (_load_tokenizer, _need_hf, add_kvm_argument, check_model_dir, kvm_settings, load_model,
                    parse_kvm_arg)
@@ -33,6 +33,7 @@ from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write_text
 from . import ruler, ruler_tasks as rt
 from .niah import _col, _generate, _progress
+from .ruler_tasks.qa import QAData, load_qa_data
 
 __all__ = ["run_ruler", "averages", "format_table", "write_results", "main"]
 
@@ -41,9 +42,9 @@ def _essay_tasks(tasks: Sequence[str]) -> bool:
     return any(ruler.NIAH_TASKS.get(t, {}).get("type_haystack") == "essay" for t in tasks)
 
 
-def _check_args(tasks, lengths, samples, batch_size, max_new_tokens):
+def _check_args(tasks, lengths, samples, batch_size, max_new_tokens, qa_data=None):
     for t in tasks:
-        rt.check_task(t)
+        rt.check_task(t, qa_data)
     if not tasks:
         raise ValueError("--tasks: give at least one task")
     if not lengths:
@@ -59,16 +60,17 @@ def _check_args(tasks, lengths, samples, batch_size, max_new_tokens):
 def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengths: Sequence[int] = (4096,),
               samples: int = 500, batch_size: int = 8, seed: int = ruler.DEFAULT_SEED,
               haystack_file: Optional[str] = None, max_new_tokens: Optional[int] = None,
-              progress: bool = True) -> Dict[str, Any]:
+              qa_data: Optional[Mapping[str, QAData]] = None, progress: bool = True) -> Dict[str, Any]:
     """Generate RULER data for ``tasks`` x ``lengths`` with ``tokenizer`` and score ``model``; the results dict.
 
     ``model``/``tokenizer`` as :func:`kvmeans.eval.niah.run_niah`. ``max_new_tokens`` caps every task's
-    ``tokens_to_generate`` (smoke tests; the data keep RULER's budgets). Result keys: ``config``,
+    ``tokens_to_generate`` (smoke tests; the data keep RULER's budgets). ``qa_data``: task -> the QA data
+    set (:func:`kvmeans.eval.ruler_tasks.qa.load_qa_data`) for qa_1 / qa_2. Result keys: ``config``,
     ``haystack``, ``scores`` (per (task, length): ``task``, ``label``, ``length``, ``samples``, ``metric``,
     ``score``, ``mean_length``, ``max_prompt_tokens``), ``averages`` (see :func:`averages`), ``samples``.
     """
     tasks, lengths = list(dict.fromkeys(tasks)), [int(n) for n in lengths]
-    _check_args(tasks, lengths, samples, batch_size, max_new_tokens)
+    _check_args(tasks, lengths, samples, batch_size, max_new_tokens, qa_data)
     hay = (ruler.load_haystack(haystack_file) if haystack_file else ruler.builtin_haystack()) \
         if _essay_tasks(tasks) else None
     bar = _progress(len(tasks) * len(lengths) * samples, progress)
@@ -80,7 +82,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengt
             for length in lengths:
                 if bar is not None:
                     bar.set_description(f"{rt.LABELS[task]} {length}: data")
-                recs = rt.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay)
+                recs = rt.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay, qa_data=qa_data)
                 if bar is not None:
                     bar.set_description(f"{rt.LABELS[task]} {length}")
                 ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
@@ -106,6 +108,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengt
     config = {"tasks": tasks, "lengths": lengths, "samples": samples, "batch_size": batch_size, "seed": seed,
               "max_new_tokens": max_new_tokens, "tokens_to_generate": {t: rt.TOKENS_TO_GENERATE[t] for t in tasks},
               "metrics": {t: rt.METRICS[t] for t in tasks}, "decoding": "greedy",
+              "qa_data": {t: d.describe() for t, d in (qa_data or {}).items() if t in tasks},
               "seeding": f"RULER: fresh random.Random({seed}) (and numpy RandomState({seed}) for vt) per (task, length)",
               "sentence_splitter": "kvmeans regex splitter (not NLTK punkt)", "word_keys_sha256": ruler.WORD_KEYS_SHA256,
               "tokenizer": type(tokenizer).__name__, "tokenizer_name": getattr(tokenizer, "name_or_path", None),
@@ -190,9 +193,12 @@ def main(argv: List[str]) -> int:
                                 "fwe), data generated offline with the model's tokenizer; greedy; RULER's metrics "
                                 "x100 and their average per length")
     p.add_argument("--model", required=True, help="model directory (ours, the authors' layout or transformers) with its tokenizer")
-    p.add_argument("--tasks", nargs="+", default=list(rt.SYNTHETIC_TASKS), metavar="TASK",
-                   help=f"default: the {len(rt.SYNTHETIC_TASKS)} synthetic tasks: {' '.join(rt.SYNTHETIC_TASKS)} "
-                        "(qa_1/qa_2 are not generated: they need SQuAD/HotpotQA)")
+    p.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                   help=f"default: the {len(rt.SYNTHETIC_TASKS)} synthetic tasks ({' '.join(rt.SYNTHETIC_TASKS)}) "
+                        "plus qa_1 / qa_2 when --qa-data gives their data")
+    p.add_argument("--qa-data", nargs="+", default=[], metavar="PATH",
+                   help="your copies of RULER's QA data (not shipped): SQuAD 2.0 dev-v2.0.json (qa_1) and/or "
+                        "HotpotQA hotpot_dev_distractor_v1.json (qa_2), told apart by their contents")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096],
                    help="total lengths in tokens: prompt + the task's generated tokens (default: 4096)")
     p.add_argument("--samples", type=int, default=500, help="samples per (task, length) (RULER: 500)")
@@ -214,7 +220,10 @@ def main(argv: List[str]) -> int:
     prog = "kvmeans eval ruler"
     kvm = parse_kvm_arg(a.kvm)
     try:
-        _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
+        qa_data = {d.task: d for d in map(load_qa_data, a.qa_data)}
+        if a.tasks is None:
+            a.tasks = list(rt.SYNTHETIC_TASKS) + [t for t in rt.QA_TASKS if t in qa_data]
+        _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens, qa_data)
     except ValueError as err:
         p.error(str(err))
     check_model_dir(a.model)
@@ -232,7 +241,7 @@ def main(argv: List[str]) -> int:
         hay = (ruler.load_haystack(a.haystack_file) if a.haystack_file else ruler.builtin_haystack()) \
             if _essay_tasks(a.tasks) else None
         for task in dict.fromkeys(a.tasks):   # fail fast (before loading the model) on lengths too small
-            rt.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay)
+            rt.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay, qa_data=qa_data)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
@@ -241,7 +250,7 @@ def main(argv: List[str]) -> int:
     hf_logging.disable_progress_bar()
     model = load_model(a.model, getattr(torch, dtype), device, kvm)
     results = run_ruler(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
-                        a.max_new_tokens, progress=not a.no_progress)
+                        a.max_new_tokens, qa_data, progress=not a.no_progress)
     results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
                               "kvm": a.kvm, "kvm_conversion": kvm_settings(model)})
     name = Path(os.path.abspath(a.model)).name or "model"

@@ -86,6 +86,6 @@ def generate_samples(max_length: int, num_samples: int, count: Callable[[str], i
         size = fit_size(task, lambda n: make(n)[0], count, max_length, inc, TOKENS_TO_GENERATE, upper)
     except OverflowError as err:
         raise ValueError(f"--lengths {max_length}: {err}") from None
-    rows = draw_samples(task, make, count, max_length, num_samples, size, inc, TOKENS_TO_GENERATE)
+    rows = draw_samples(task, lambda i, n: make(n), count, max_length, num_samples, size, inc, TOKENS_TO_GENERATE)
     return [split_prefix(task, i, text, answer, length, max_length, used, ANSWER_PREFIX)
             for i, (text, answer, length, used) in enumerate(rows)]

@@ -15,10 +15,10 @@ from ..ruler import fit_haystack
 __all__ = ["too_small", "fit_size", "draw_samples", "split_prefix"]
 
 
-def too_small(task: str, max_length: int, need: int) -> ValueError:
-    return ValueError(f"--lengths {max_length} is too small for {task} with this tokenizer: its smallest RULER "
-                      f"prompt plus the generated tokens take {need} tokens; use --lengths >= {need} "
-                      "(RULER's lengths start at 4096)")
+def too_small(task: str, max_length: int, need: int, units: int) -> ValueError:
+    return ValueError(f"--lengths {max_length} is too small for {task} with this tokenizer: a prompt with {units} "
+                      f"haystack units (RULER's smallest step) plus the generated tokens takes {need} tokens; use "
+                      f"--lengths >= {need} (RULER's lengths start at 4096)")
 
 
 def fit_size(task: str, probe: Callable[[int], str], count: Callable[[str], int], max_length: int,
@@ -26,21 +26,22 @@ def fit_size(task: str, probe: Callable[[int], str], count: Callable[[str], int]
     """The largest size in ``[incremental, upper]`` whose ``probe`` fits ``max_length`` (RULER's search)."""
     best, probes = fit_haystack(probe, count, max_length, incremental, tokens_to_generate, upper=upper)
     if best is None:
-        raise too_small(task, max_length, min(t for _, t in probes))
+        units, need = min(probes, key=lambda p: p[1])
+        raise too_small(task, max_length, need, units)
     return best
 
 
-def draw_samples(task: str, make: Callable[[int], Tuple[str, List[str]]], count: Callable[[str], int],
+def draw_samples(task: str, make: Callable[[int, int], Tuple[str, List[str]]], count: Callable[[str], int],
                  max_length: int, num_samples: int, size: int, incremental: int, tokens_to_generate: int,
                  max_floor_retries: int = 100) -> List[Tuple[str, List[str], int, int]]:
-    """``num_samples`` of ``(text, answers, length, size used)``: each starts at ``size`` and shrinks by
-    ``incremental`` while ``count(text) + tokens_to_generate > max_length`` (RULER's retry loop)."""
+    """``num_samples`` of ``(text, answers, length, size used)``: sample ``i`` is ``make(i, n)``, ``n`` from
+    ``size`` down by ``incremental`` while ``count(text) + tokens_to_generate > max_length`` (RULER's retry loop)."""
     out = []
-    for _ in range(num_samples):
+    for index in range(num_samples):
         used, floor_tries, length = size, 0, None
         while True:
             try:
-                text, answers = make(used)
+                text, answers = make(index, used)
                 length = count(text) + tokens_to_generate
                 if length <= max_length:
                     break
@@ -51,7 +52,7 @@ def draw_samples(task: str, make: Callable[[int], Tuple[str, List[str]]], count:
             else:
                 floor_tries += 1
                 if floor_tries > max_floor_retries:
-                    raise too_small(task, max_length, length or max_length + 1)
+                    raise too_small(task, max_length, length or max_length + 1, used)
         out.append((text, answers, length, used))
     return out
 

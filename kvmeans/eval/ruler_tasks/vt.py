@@ -84,7 +84,7 @@ def _icl_example(rng, nprng, count: Callable[[str], int], max_length: int) -> st
     upper = max(int(ICL_MAX_LENGTH / (count(make(inc)[0]) / inc) * 3), inc * 2)
     try:
         size = fit_size("vt", lambda n: make(n)[0], count, ICL_MAX_LENGTH, inc, 0, upper)
-        (text, names, _, _), = draw_samples("vt", make, count, ICL_MAX_LENGTH, 1, size, inc, 0)
+        (text, names, _, _), = draw_samples("vt", lambda i, n: make(n), count, ICL_MAX_LENGTH, 1, size, inc, 0)
     except ValueError:          # does not fit 500 tokens with this tokenizer: keep the smallest example
         text, names = make(inc)
     return text + " " + " ".join(names) + "\n"
@@ -103,7 +103,7 @@ def generate_samples(max_length: int, num_samples: int, count: Callable[[str], i
     def task_text(n):
         return generate_input_output(rng, nprng, n)[0]
 
-    def make(n):
+    def make(index, n):
         text, names = generate_input_output(rng, nprng, n)
         return _randomize_icl(rng, nprng, example) + "\n" + text, names
 
