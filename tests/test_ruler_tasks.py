@@ -266,26 +266,49 @@ def test_average_over_the_tasks_that_ran():
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def byte_model_dir(tmp_path_factory):
-    """A tiny KVM model with a byte-level tokenizer (one token per character of ASCII text)."""
-    from kvmeans.models import KVMLanguageModel, KVMModelConfig
-    from kvmeans.models.hf import KVMForCausalLM
+def _with_byte_tokenizer(model, d):
+    """Save ``model`` into ``d`` with a byte-level tokenizer (one token per character of ASCII text)."""
     from kvmeans.train.tokenizers import save_tokenizer
-    from kvmeans.utils.testing import perturb_identity_init
     alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
     btok = tk.Tokenizer(tk.models.BPE(vocab={EOT: 0, **{c: i + 1 for i, c in enumerate(sorted(alphabet))}}, merges=[]))
     btok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     btok.decoder = tk.decoders.ByteLevel()
     btok.add_special_tokens([EOT])
+    model.save_pretrained(d)
+    save_tokenizer(btok, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def byte_model_dir(tmp_path_factory):
+    """A tiny KVM model with a byte-level tokenizer."""
+    from kvmeans.models import KVMLanguageModel, KVMModelConfig
+    from kvmeans.models.hf import KVMForCausalLM
+    from kvmeans.utils.testing import perturb_identity_init
     torch.manual_seed(0)
     lm = KVMLanguageModel(KVMModelConfig(vocab_size=264, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                                          chunk_len=32, n_bswa_chunks=2, budget={"kind": "fixed", "n": 32}))
     perturb_identity_init(lm)
-    d = tmp_path_factory.mktemp("ruler_model") / "tiny-bytes"
-    KVMForCausalLM.from_language_model(lm, eos_token_id=0, pad_token_id=0).save_pretrained(d)
-    save_tokenizer(btok, d)
-    return d
+    return _with_byte_tokenizer(KVMForCausalLM.from_language_model(lm, eos_token_id=0, pad_token_id=0),
+                                tmp_path_factory.mktemp("ruler_model") / "tiny-bytes")
+
+
+def test_cli_kvm_spec_converts_a_plain_model(tmp_path_factory, tmp_path):
+    """--kvm SPEC: a window that covers the prompt gives the plain model's predictions; the JSON records it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=0, pad_token_id=0))
+    d = _with_byte_tokenizer(llama.eval(), tmp_path_factory.mktemp("ruler_llama") / "llama")
+    wide = "budget=fixed:64,chunk_len=256,n_bswa_chunks=4,sink_len=4"
+    runs = {}
+    for name, extra in (("plain", []), ("kvm", ["--kvm", wide])):
+        assert ruler_main(["--model", str(d), "--tasks", "niah_multikey_2", "fwe", "--lengths", "1024", "--samples",
+                           "2", "--max-new-tokens", "3", "--no-progress", "--out", str(tmp_path / name), *extra]) == 0
+        runs[name] = json.loads((tmp_path / name / "ruler.json").read_text())
+    assert [s["pred"] for s in runs["kvm"]["samples"]] == [s["pred"] for s in runs["plain"]["samples"]]
+    assert runs["kvm"]["config"]["kvm"] == wide and runs["kvm"]["config"]["kvm_conversion"]["chunk_len"] == 256
+    assert runs["plain"]["config"]["kvm"] is None and runs["plain"]["config"]["kvm_conversion"] is None
 
 
 def test_cli_writes_table_csv_json_with_the_average_and_task_list(byte_model_dir, tmp_path, capsys):
