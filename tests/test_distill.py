@@ -256,3 +256,12 @@ def test_cli_mistakes_are_one_line(teacher_dir, tmp_path, capsys, extra, message
     assert kvmeans_main(["distill", *argv, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@torch.no_grad()
+def test_loading_a_learned_model_does_not_report_its_kvm_weights_as_unexpected(tmp_path, capfd):
+    model = convert_hf(tiny("llama"), learned=True, **SMALL)
+    model.save_pretrained(tmp_path)
+    capfd.readouterr()
+    load_converted(tmp_path)
+    assert "kvm_" not in capfd.readouterr().err

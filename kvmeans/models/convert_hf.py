@@ -227,9 +227,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
 def load_converted(path, **from_pretrained_kwargs):
     """Load a model saved after :func:`convert_hf` and convert it again with its stored settings (and, for
     ``learned=True``, its learned KVM parameters from the folder's safetensors files)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs)
+    model = _from_pretrained_quiet_on_kvm_keys(path, **from_pretrained_kwargs)
     settings = getattr(model.config, CONFIG_KEY, None)
     if not settings:
         raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "
@@ -239,6 +237,29 @@ def load_converted(path, **from_pretrained_kwargs):
     model = convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
     if settings.get("learned"):
         _load_learned(model, Path(path))
+    return model
+
+
+def _from_pretrained_quiet_on_kvm_keys(path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` whose load report leaves out the learned ``kvm_*`` weights (the
+    plain class has no such parameters; :func:`_load_learned` loads them): any other unexpected, missing or
+    mismatched key is still reported."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    log = hf_logging.get_logger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        log.setLevel(level)
+    issues = {kind: sorted(k for k in info.get(kind) or () if ".kvm_" not in str(k))
+              for kind in ("unexpected_keys", "missing_keys", "mismatched_keys")}
+    if any(issues.values()):
+        log.warning(f"loading {path}: " + "; ".join(f"{kind} {keys}" for kind, keys in issues.items() if keys))
     return model
 
 
