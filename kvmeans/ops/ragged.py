@@ -20,7 +20,9 @@ plain state, and the states are stacked again.
 from __future__ import annotations
 
 import math
-from typing import Callable, List
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, List, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -48,14 +50,13 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
     filling = [b for b in range(B) if seen[b] < C]                               # the token becomes a row
     # capacity for the whole step up front: the one-row views below write into these buffers
     _reserve(state, max(rows) + (C if moving else 1), max(e - w for e, w in zip(ends, starts)))
-    dev, every = q.device, torch.arange(B, device=q.device)
-    slot = torch.tensor([s - w for s, w in zip(seen, starts)], device=dev)
+    every, slot = _slots(sched.seen, C, n, q.device)
     state.window_keys[every, :, slot] = k[:, :, 0]
     state.window_values[every, :, slot] = v[:, :, 0]
     state.window_gates[every, :, slot] = gate[:, :, 0]
     if filling:
-        f = torch.tensor(filling, device=dev)
-        at = torch.tensor([rows[b] for b in filling], device=dev)
+        f = torch.tensor(filling, device=q.device)
+        at = torch.tensor([rows[b] for b in filling], device=q.device)
         vals = v[f, :, 0]
         state.keys[f, :, at] = memory_keys(k[f, :, 0], state.rope_dim, *ln)
         state.values[f, :, at] = vals
@@ -72,38 +73,92 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
             buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
         rows[b], cov[b] = one.num_rows, one.coverage
     state.set_schedule(RowSchedule(tuple(ends), tuple(rows), tuple(cov)))
-    win = [e - bswa_begin(e, C, n) for e in ends]
-    visible = [r if bswa_begin(e, C, n) > 0 else 0 for r, e in zip(rows, ends)]   # inactive state: no rows
-    k_hat, v_hat = _row_readout(state, ln, visible, filling + moving)
-    W = max(win)
+    win = tuple(e - bswa_begin(e, C, n) for e in ends)
+    visible = tuple(r if bswa_begin(e, C, n) > 0 else 0 for r, e in zip(rows, ends))   # inactive: no rows
+    j = _read_out(state, ln, visible, filling + moving)
+    R, M, W = j.R, j.M, max(win)
     if attn == "triton":
         from .triton.decode import decode_attention
-        lengths = torch.tensor([visible, win], dtype=torch.int32, device=dev).T.contiguous()
-        y = decode_attention(q, k_hat, v_hat, state.window_keys, state.window_values, lengths, state_temp,
-                             bswa_temp, scale)
+        lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()
+        y = decode_attention(q, j.keys[:, :, R - M:R] if M else None, j.values[:, :, R - M:R] if M else None,
+                             state.window_keys, state.window_values, lengths, state_temp, bswa_temp, scale)
     else:
-        y = _attend(q, k_hat, v_hat, state.window_keys[:, :, :W], state.window_values[:, :, :W], visible, win,
-                    state_temp, bswa_temp, scale)
+        y = _attend(q, j.keys[:, :, R - M:R + W], j.values[:, :, R - M:R + W], M, visible, win, state_temp,
+                    bswa_temp, scale)
     return y, state
 
 
+@dataclass
+class _Joint:
+    """The ragged path's ``[read-out rows ; window]`` buffers (one per keys / values), so a step reads both with one
+    matmul pair: ``keys [B, Hkv, R + window_capacity, D]`` whose slots from ``R`` on are the state's window buffer,
+    and the read-out rows (LN_s keys, radius-scaled values) of the first ``M`` state rows at ``[R - M, R)``."""
+    keys: Tensor
+    values: Tensor
+    R: int
+    M: int = -1                     # -1: nothing read out yet
+    key: tuple = ()                 # the LN_s parameters the read-out was computed with
+    stale: Set[int] = field(default_factory=set)     # batch rows whose state rows changed since
+
+    def holds(self, state: KVMState) -> bool:
+        return self.keys[:, :, self.R:].data_ptr() == state.window_keys.data_ptr()
+
+
+def _grow(need: int, cap: int) -> int:
+    return cap if need <= cap else max(need, 2 * cap)
+
+
 def _reserve(state: KVMState, rows: int, window: int) -> None:
-    """Room for ``rows`` state rows and ``window`` window tokens in every row (geometric growth). The first ragged
-    step of a state object copies its buffers once, so in-place writes never reach buffers it may share."""
-    first = state._row_readout is None
-    if not first and rows <= state.row_capacity and window <= state.window_capacity:
-        return
-    grow = lambda need, cap: cap if need <= cap else max(need, 2 * cap)
-    fresh = KVMState.empty(state.batch_size, state.keys.shape[1], state.keys.shape[3], state.values.shape[3],
-                           dtype=state.dtype, device=state.device, chunk_len=state.chunk_len,
-                           n_bswa_chunks=state.n_bswa_chunks, sink_len=state.sink_len, rope_dim=state.rope_dim,
-                           value_radius=state.value_radius, row_capacity=grow(rows, state.row_capacity),
-                           window_capacity=grow(window, state.window_capacity))
-    m, w = state.num_rows, state.window_len
-    for name, extent in zip(KVMState._TENSORS, (m, m, m, w, w, w)):
-        getattr(fresh, name)[:, :, :extent] = getattr(state, name)[:, :, :extent]
-        setattr(state, name, getattr(fresh, name))
+    """Room for ``rows`` state rows and ``window`` window tokens in every row (geometric growth). A state whose
+    buffers the ragged path does not hold yet (its first ragged step) is copied once, so in-place writes never
+    reach buffers it may share."""
+    j = state._row_readout
+    fresh = j is None or not j.holds(state)
+    if fresh or rows > state.row_capacity:
+        m, cap = state.num_rows, _grow(rows, state.row_capacity)
+        for name in ("keys", "values", "radii"):
+            old = getattr(state, name)
+            new = old.new_zeros(*old.shape[:2], cap, *old.shape[3:])
+            new[:, :, :m] = old[:, :, :m]
+            setattr(state, name, new)
+    if fresh or window > state.window_capacity:
+        _joint(state, 0 if fresh else j.R, _grow(window, state.window_capacity))
     state._owned, state._readout = False, None       # not the recurrent path's own layout
+
+
+def _joint(state: KVMState, R: int, window_capacity: int) -> _Joint:
+    """New joint buffers with ``R`` read-out slots, holding the state's window (the read-out is rewritten)."""
+    w, wk, wv, wg = state.window_len, state.window_keys, state.window_values, state.window_gates
+    j = _Joint(wk.new_zeros(*wk.shape[:2], R + window_capacity, wk.shape[3]),
+               wv.new_zeros(*wv.shape[:2], R + window_capacity, wv.shape[3]), R)
+    state.window_keys, state.window_values = j.keys[:, :, R:], j.values[:, :, R:]
+    state.window_gates = wg.new_zeros(*wg.shape[:2], window_capacity)
+    for name, old in (("window_keys", wk), ("window_values", wv), ("window_gates", wg)):
+        getattr(state, name)[:, :, :w] = old[:, :, :w]
+    state._row_readout = j
+    return j
+
+
+def _read_out(state: KVMState, ln, visible: Tuple[int, ...], changed: List[int]) -> _Joint:
+    """Bring the joint buffers' read-out up to date for ``visible`` rows per batch row: all rows when their number
+    ``M = max(visible)`` or the LN_s parameters changed, else the rows of ``changed`` batch rows (once visible)."""
+    w, b, eps = ln
+    key = (id(w), None if w is None else w._version, id(b), None if b is None else b._version, eps)
+    j, M = state._row_readout, max(visible)
+    if M > j.R:
+        j = _joint(state, _grow(M, j.R), state.window_capacity)
+    j.stale.update(changed)
+    if j.M != M or j.key != key:
+        k_hat, v_hat = readout(*state.rows(), state.value_radius, *ln)
+        j.keys[:, :, j.R - M:j.R], j.values[:, :, j.R - M:j.R] = k_hat[:, :, :M], v_hat[:, :, :M]
+        j.M, j.key, j.stale = M, key, set()
+    for r in sorted(r for r in j.stale if visible[r]):
+        m, at = visible[r], slice(j.R - M, j.R - M + visible[r])
+        j.keys[r:r + 1, :, at], j.values[r:r + 1, :, at] = readout(
+            state.keys[r:r + 1, :, :m], state.values[r:r + 1, :, :m], state.radii[r:r + 1, :, :m],
+            state.value_radius, *ln)
+        j.stale.discard(r)
+    return j
 
 
 def _row_view(state: KVMState, b: int, seen: int, rows: int, coverage: int) -> KVMState:
@@ -114,51 +169,34 @@ def _row_view(state: KVMState, b: int, seen: int, rows: int, coverage: int) -> K
                     value_radius=state.value_radius)
 
 
-def _row_readout(state: KVMState, ln, visible: List[int], changed: List[int]):
-    """``(k_hat, v_hat)`` ``[B, Hkv, max(visible), D|Dv]`` (None, None when no row's state is active): the read-out
-    rows, cached on ``state``; rows of ``changed`` rows are read out again when they are next visible."""
-    w, b, eps = ln
-    key = (id(w), None if w is None else w._version, id(b), None if b is None else b._version, eps)
-    held = state._row_readout
-    stale = set(changed) | (held[3] if held is not None else set())
-    M = max(visible)
-    if held is None or held[0] != key or held[1].shape[2] < M:
-        k_hat, v_hat = readout(*state.rows(), state.value_radius, *ln)            # every row, to the longest
-        stale = set()
-    else:
-        k_hat, v_hat = held[1], held[2]
-        for r in [r for r in stale if visible[r]]:
-            m = visible[r]
-            k_hat[r:r + 1, :, :m], v_hat[r:r + 1, :, :m] = readout(
-                state.keys[r:r + 1, :, :m], state.values[r:r + 1, :, :m], state.radii[r:r + 1, :, :m],
-                state.value_radius, *ln)
-            stale.discard(r)
-    state._row_readout = (key, k_hat, v_hat, stale)
-    return (None, None) if M == 0 else (k_hat[:, :, :M], v_hat[:, :, :M])
+@lru_cache(maxsize=8)
+def _slots(seen: Tuple[int, ...], chunk_len: int, n_bswa_chunks: int, device) -> Tuple[Tensor, Tensor]:
+    """``(rows [B], slots [B])``: the window slot of each row's next token (shared by the layers of a step)."""
+    slot = [s - bswa_begin(s, chunk_len, n_bswa_chunks) for s in seen]
+    return torch.arange(len(seen), device=device), torch.tensor(slot, device=device)
 
 
-def _beyond(lengths: List[int], size: int, device) -> Tensor:
-    """``[B, 1, 1, size]`` bool: True at the slots past each row's length."""
-    return torch.arange(size, device=device) >= torch.tensor(lengths, device=device).view(-1, 1, 1, 1)
+@lru_cache(maxsize=8)
+def _bias(visible: Tuple[int, ...], win: Tuple[int, ...], M: int, W: int, dtype, device) -> Tensor:
+    """``[B, 1, 1, M + W]``: 0 at each row's visible read-out rows and window tokens, -inf elsewhere."""
+    slots = torch.arange(M + W, device=device)
+    seen_rows = slots < torch.tensor(visible, device=device).view(-1, 1)
+    seen_window = (slots >= M) & (slots - M < torch.tensor(win, device=device).view(-1, 1))
+    bias = torch.zeros(len(win), M + W, dtype=dtype, device=device)
+    return bias.masked_fill_(~(seen_rows | seen_window), -math.inf).view(len(win), 1, 1, M + W)
 
 
-def _attend(q: Tensor, k_hat, v_hat, wk: Tensor, wv: Tensor, visible: List[int], win: List[int], state_temp,
-            bswa_temp, scale) -> Tensor:
-    """One query per row and head over its visible state rows and window; returns ``[B, H, 1, Dv]``."""
+def _attend(q: Tensor, keys: Tensor, values: Tensor, M: int, visible, win, state_temp, bswa_temp, scale) -> Tensor:
+    """One query per row and head over ``keys / values [B, Hkv, M + W, D|Dv]`` (``M`` read-out rows, then the
+    window) with each row's visible rows and window; returns ``[B, H, 1, Dv]``."""
     B, H, _, D = q.shape
-    Hkv = wk.shape[1]
-    group = lambda x: x.reshape(B, Hkv, H // Hkv, x.shape[-1])       # query heads of one kv head together
-    scores = group(q * (bswa_temp * scale).view(1, H, 1, 1)) @ wk.transpose(-1, -2)     # [B, Hkv, rep, W]
-    scores = scores.masked_fill(_beyond(win, wk.shape[2], q.device), -math.inf)
-    if k_hat is None:                                                 # no row's state is active yet
-        y = torch.softmax(scores, -1) @ wv
-    else:
-        s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
-        s_scores = s_scores.masked_fill(_beyond(visible, k_hat.shape[2], q.device), -math.inf)
-        p = torch.softmax(torch.cat([s_scores, scores], -1), -1)      # one softmax over [state ; window]
-        m = k_hat.shape[2]
-        y = p[..., :m] @ v_hat + p[..., m:] @ wv
-    return y.view(B, H, 1, -1)
+    Hkv = keys.shape[1]
+    group = lambda x: x.view(1, Hkv, H // Hkv, 1)                       # per head, query heads of a kv head together
+    scores = (q.reshape(B, Hkv, H // Hkv, D) * scale) @ keys.transpose(-1, -2)     # [B, Hkv, rep, M + W]
+    scores[..., :M] *= group(state_temp)                                 # temperatures on the scores
+    scores[..., M:] *= group(bswa_temp)
+    scores += _bias(visible, win, M, keys.shape[2] - M, scores.dtype, q.device)
+    return (torch.softmax(scores, -1) @ values).view(B, H, 1, -1)   # one softmax over [state ; window]
 
 
 def split_call(kvm_attention: Callable, args: dict):

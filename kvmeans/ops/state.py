@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import torch
@@ -87,8 +88,13 @@ class RowSchedule:
         return [s - bswa_begin(s, chunk_len, n_bswa_chunks) for s in self.seen]
 
     def positions(self, T: int, device) -> Tensor:
-        """``[B, T]`` absolute positions of the next ``T`` tokens of every row."""
-        return torch.tensor(self.seen, device=device).view(-1, 1) + torch.arange(T, device=device)
+        """``[B, T]`` absolute positions of the next ``T`` tokens of every row (shared by the layers of a step)."""
+        return _positions(self.seen, T, torch.device(device))
+
+
+@lru_cache(maxsize=4)
+def _positions(seen: Tuple[int, ...], T: int, device: torch.device) -> Tensor:
+    return torch.tensor(seen, device=device).view(-1, 1) + torch.arange(T, device=device)
 
 
 @dataclass
@@ -137,8 +143,8 @@ class KVMState(BatchedState):
     # its own preallocated ones (safe to write in place); neither is saved
     _readout: Optional[tuple] = field(default=None, repr=False, compare=False)
     _owned: bool = field(default=False, repr=False, compare=False)
-    # ragged decode (kvmeans.ops.ragged): per-row readout cache; not saved
-    _row_readout: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # ragged decode (kvmeans.ops.ragged): its [read-out rows ; window] buffers; not saved
+    _row_readout: Optional[object] = field(default=None, repr=False, compare=False)
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
