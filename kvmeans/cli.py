@@ -11,7 +11,9 @@ from .utils.cli import UsageError, check_device, check_out_dir, run_main, run_su
 
 def _bench(argv: List[str]) -> int:
     return run_subcommand("kvmeans bench", "benchmark", {
-        "ops": ("kvmeans.bench.ops", "KVM vs SDPA: prefill, backward, decode, memory (`kvmeans bench ops --help`)")}, argv)
+        "ops": ("kvmeans.bench.ops", "KVM vs SDPA: prefill, backward, decode, memory (`kvmeans bench ops --help`)"),
+        "ragged": ("kvmeans.bench.ragged", "generate on prompts of distinct lengths vs equal lengths: time ratio and "
+                   "calls per token (`kvmeans bench ragged --help`)")}, argv)
 
 
 def _demo(argv: List[str]) -> int:

@@ -180,3 +180,6 @@ def test_bench_ragged_prints_the_ratio(capsys):
     assert "ragged / equal =" in text and "calls/token" in text
     with pytest.raises(UsageError, match="--new-tokens"):
         main(["--new-tokens", "0"])
+    from kvmeans.cli import main as cli
+    assert cli(["bench", "ragged", "--new-tokens", "0"]) == 2                  # routed, one-line error
+    assert "ragged" in capsys.readouterr().err
