@@ -119,6 +119,15 @@ def test_stack_split_and_select_keep_each_row():
                           return_state=True)[1]
     with pytest.raises(ValueError, match="chunk_len"):
         KVMState.stack([solos[0], other])
+    with pytest.raises(ValueError, match="dtype"):
+        KVMState.stack([solos[0], solos[1].to(torch.float32)])
+    half = make_inputs(B=2, H=2, Hkv=2, T=12, D=8, dtype=torch.bfloat16)        # reference numerics: fp32 radii
+    ref = [kvm_attention(*(half[n][b:b + 1, :, :L] for n in ("q", "k", "v", "gate")), **kw | state_params(half),
+                         numerics="reference", return_state=True)[1] for b, L in enumerate([5, 12])]
+    both = KVMState.stack(ref)
+    assert both.radii.dtype == torch.float32 and both.keys.dtype == torch.bfloat16
+    torch.testing.assert_close(both.radii[1, :, :ref[1].num_rows], ref[1].radii[0, :, :ref[1].num_rows], rtol=0,
+                               atol=0)
 
 
 # ---- KVMForCausalLM.generate -------------------------------------------------------------------------

@@ -258,6 +258,10 @@ class KVMState(BatchedState):
                 if getattr(st, name) != getattr(first, name):
                     raise ValueError(f"KVMState.stack: states differ in {name} ({getattr(first, name)!r} vs "
                                      f"{getattr(st, name)!r}); only states of one layer can be stacked")
+            if (st.dtype, st.radii.dtype, st.device, st.keys.shape[1::2], st.values.shape[3]) != (
+                    first.dtype, first.radii.dtype, first.device, first.keys.shape[1::2], first.values.shape[3]):
+                raise ValueError(f"KVMState.stack: states differ in dtype, device or head sizes ({first!r} vs {st!r}); "
+                                 f"only states of one layer can be stacked")
             if st.extras.keys() != first.extras.keys():
                 raise ValueError(f"KVMState.stack: states carry different extras ({sorted(first.extras)} vs "
                                  f"{sorted(st.extras)}); stack the states of one layer")
@@ -265,6 +269,7 @@ class KVMState(BatchedState):
         rows, win = max(st.num_rows for st in states), max(st.window_len for st in states)
         out = cls.empty(B, Hkv, D, Dv, dtype=first.dtype, device=first.device, row_capacity=max(rows, 1),
                         window_capacity=max(win, 1), **{name: getattr(first, name) for name in config})
+        out.radii = out.radii.to(first.radii.dtype)      # fp32 radii of reference numerics stay fp32
         b = 0
         for st in states:
             n, m, w = st.batch_size, st.num_rows, st.window_len
