@@ -7,12 +7,14 @@ import torch
 tf = pytest.importorskip("transformers")
 from test_assisted import draft_tokens  # noqa: E402
 from test_convert_hf import FAMILIES, SMALL, V, tiny  # noqa: E402
+from test_eval_kvm_flag import _lm_eval, _niah, llama_dir  # noqa: E402,F401  (llama_dir: a fixture)
 
 from kvmeans.models.convert_hf import convert_hf  # noqa: E402
 from kvmeans.models.hf_kvm_cache import KVMCacheLayer  # noqa: E402
 
 LENGTHS = (61, 44, 29)         # chunk grids offset by 17 and 32 tokens (chunk_len 8): boundaries differ per row
 GREEDY = dict(do_sample=False, pad_token_id=0)
+KVM = "budget=fixed:8,chunk_len=8,n_bswa_chunks=2,sink_len=2"              # SMALL as an eval --kvm spec
 
 
 def rows(lengths=LENGTHS, seed=1):
@@ -151,3 +153,36 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(monkeypatch):
     out = model.generate(x, max_new_tokens=30, prompt_lookup_num_tokens=5, **GREEDY)
     assert torch.equal(out, want)
     assert seen                                                    # some lookups were wrong and undone
+
+
+# ---- the eval runners batch converted models ---------------------------------------------------------
+
+def generate_batches(monkeypatch):
+    """Batch size of every ``generate`` call of a (converted) Llama."""
+    sizes, generate = [], tf.LlamaForCausalLM.generate
+
+    def spy(self, *args, **kwargs):
+        x = kwargs.get("input_ids", args[0] if args else None)
+        sizes.append(int(x.shape[0]))
+        return generate(self, *args, **kwargs)
+    monkeypatch.setattr(tf.LlamaForCausalLM, "generate", spy)
+    return sizes
+
+
+def test_niah_batches_a_converted_model_and_equals_batch_one(llama_dir, tmp_path, monkeypatch):
+    one = _niah(llama_dir, tmp_path / "one", "--batch-size", "1", "--kvm", KVM)
+    sizes = generate_batches(monkeypatch)
+    three = _niah(llama_dir, tmp_path / "three", "--batch-size", "3", "--kvm", KVM)
+    assert sizes == [3]
+    assert len({s["tokens"] for s in three["samples"]}) > 1                  # prompts of different lengths
+    assert [s["outputs"] for s in three["samples"]] == [s["outputs"] for s in one["samples"]]
+
+
+def test_lm_eval_generate_until_batches_a_converted_model_and_equals_batch_one(llama_dir, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, one = _lm_eval(llama_dir, batch_size=1, kvm=KVM)
+    sizes = generate_batches(monkeypatch)
+    _, three = _lm_eval(llama_dir, batch_size=3, kvm=KVM)
+    assert max(sizes) > 1
+    assert three["kvm_toy_gen"] == one["kvm_toy_gen"]

@@ -71,9 +71,9 @@ def _niah(model_dir, out, *extra):
     return json.loads((out / "niah.json").read_text())
 
 
-def test_niah_kvm_runs_prompts_one_by_one_and_equals_the_plain_model_inside_the_window(llama_dir, tmp_path):
+def test_niah_kvm_equals_the_plain_model_inside_the_window(llama_dir, tmp_path):
     plain = _niah(llama_dir, tmp_path / "plain", "--batch-size", "1")
-    wide = _niah(llama_dir, tmp_path / "wide", "--batch-size", "3", "--kvm", WIDE)   # padded batches would refuse
+    wide = _niah(llama_dir, tmp_path / "wide", "--batch-size", "3", "--kvm", WIDE)
     assert [s["pred"] for s in wide["samples"]] == [s["pred"] for s in plain["samples"]]
     assert wide["config"]["kvm"] == WIDE and wide["config"]["kvm_conversion"]["n_bswa_chunks"] == 4
     assert plain["config"]["kvm"] is None and plain["config"]["kvm_conversion"] is None
@@ -166,7 +166,7 @@ def test_memory_kvm_refuses_presets(capsys):
     assert "presets are KVM models already" in capsys.readouterr().err
 
 
-def _lm_eval(pretrained, **kw):
+def _lm_eval(pretrained, batch_size=3, **kw):
     pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
     from pathlib import Path
@@ -176,7 +176,7 @@ def _lm_eval(pretrained, **kw):
 
     import kvmeans.eval.harness as H
     toy = Path(__file__).parent / "data" / "lmeval_toy"
-    lm = H.KVMLM(pretrained=str(pretrained), batch_size=3, device="cpu", **kw)
+    lm = H.KVMLM(pretrained=str(pretrained), batch_size=batch_size, device="cpu", **kw)
     res = simple_evaluate(model=lm, tasks=["kvm_toy_mc", "kvm_toy_gen"], log_samples=True, bootstrap_iters=0,
                           task_manager=TaskManager(include_path=str(toy), include_defaults=False))
     return lm, {t: [s["resps"] for s in sorted(res["samples"][t], key=lambda s: s["doc_id"])]
@@ -187,7 +187,7 @@ def test_lm_eval_kvm_converts_a_plain_folder_and_matches_it_inside_the_window(ll
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     plain_lm, plain = _lm_eval(llama_dir)
-    wide_lm, wide = _lm_eval(llama_dir, kvm=WIDE)       # generate_until: padded batches run row by row
+    wide_lm, wide = _lm_eval(llama_dir, kvm=WIDE)
     assert getattr(plain_lm.model.config, "kvm_conversion", None) is None
     assert wide_lm.model.config.kvm_conversion["chunk_len"] == 256
     assert wide["kvm_toy_gen"] == plain["kvm_toy_gen"]

@@ -35,9 +35,8 @@ pad positions' logits are discarded by HFLM. ``generate_until`` batches are left
 with their ``attention_mask``: :class:`~kvmeans.models.hf.KVMForCausalLM` strips each row's pads
 (every sequence starts at position 0, as alone). Results therefore do not depend on the batch size
 up to float rounding of differently shaped batched matmuls (tests: batch 1 vs 3, identical
-metrics and generations, log-likelihoods equal to 1e-5). A converted transformers model refuses
-padding masks: its log-likelihood batches need none (right pads, causal), and its ``generate_until``
-rows run one at a time without their pads.
+metrics and generations, log-likelihoods equal to 1e-5). A converted transformers model strips them
+the same way (``kvmeans.ops.pretrained_batch``).
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from ..models.convert import is_reference_checkpoint, reference_config_to_ours
 from ..models.hf import KVMConfig, KVMForCausalLM
-from ..cli import kvm_settings, load_model, parse_kvm_arg
+from ..cli import load_model, parse_kvm_arg
 from ..utils.cli import run_main
 from .lm_eval_cli import MODEL_NAME, main, translate_args
 
@@ -179,18 +178,7 @@ class KVMLM(HFLM):
             # only leading pads are padding (a prompt may legitimately contain the pad/eos id later)
             is_tok = (context != pad).long().cummax(dim=1).values if pad is not None else torch.ones_like(context)
             generation_kwargs["attention_mask"] = is_tok
-        if kvm_settings(self.model) is None:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        mask = generation_kwargs.pop("attention_mask").bool()      # converted: one row at a time, no pads
-        rows = []
-        for i in range(context.shape[0]):
-            pads = int((~mask[i]).sum())
-            ids = context[i:i + 1, pads:]
-            out = super()._model_generate(ids, max_length - pads, stop, attention_mask=torch.ones_like(ids),
-                                          **generation_kwargs)
-            rows.append(torch.cat([context[i, :pads], out[0]]))
-        width = max(len(r) for r in rows)
-        return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=0 if pad is None else pad) for r in rows])
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 
 def _register() -> None:

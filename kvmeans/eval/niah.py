@@ -8,9 +8,8 @@ Data: :mod:`kvmeans.eval.ruler` (RULER's generator, binary-search haystack size,
 tokens, stopping at EOS; score = RULER's ``string_match_all`` x 100 per (task, length).
 
 Batching: the samples of one (task, length) are sorted by prompt length (longest first) and generated
-``--batch-size`` at a time with left padding and an attention mask (``KVMForCausalLM`` gives every row
-the logits it has alone). A transformers model converted to KVM (``--kvm SPEC``, or a saved converted
-folder) refuses padding masks, so its prompts run one at a time (``batch_size`` is then 1).
+``--batch-size`` at a time with left padding and an attention mask (``KVMForCausalLM`` and a transformers
+model converted to KVM, ``--kvm SPEC`` or a saved converted folder, give every row the tokens it gets alone).
 Output: ``niah.json`` (config with ``kvm``, the spec, and ``kvm_conversion``, the settings applied;
 haystack; per-(task, length) scores; per-sample predictions) and ``niah.csv`` (``task,length,samples,score``) in ``--out`` (default
 ``results/niah/<model>-<timestamp>``), and a table like the paper's (rows NIAH-S1/S2/S3, one column per
@@ -67,8 +66,6 @@ def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_t
         eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-    if getattr(getattr(model, "config", None), "kvm_conversion", None):
-        batch_size = 1         # converted models refuse padding masks: one prompt at a time
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     device = _device_of(model)
     out: List[Optional[str]] = [None] * len(ids)
