@@ -4,8 +4,9 @@
 The model is ``--preset`` (default ``tiny-cpu``: 4 layers, width 128) with random weights (each block's
 output projection drawn, so no block is the identity). One repeat times, in turn, ``generate`` on the
 ragged batch (``--lengths``, left-padded) and on as many prompts of their mean length, each for
-``--new-tokens`` tokens; the ratio of the medians is printed, with the backbone calls per generated token
-(1 when every step is one call; one per distinct prompt length when the batch is split by length).
+``--new-tokens`` tokens and for one token (the prefill); the table gives the medians, the decode time per
+step (the difference over ``--new-tokens - 1`` steps), the backbone calls per generated token (1 when every
+step is one call; one per distinct prompt length when the batch is split by length) and the ratios.
 """
 from __future__ import annotations
 
@@ -79,24 +80,29 @@ def run(argv=None) -> dict:
     vocab = model.config.vocab_size
     mean = round(sum(a.lengths) / len(a.lengths))
     batches = {"ragged": left_padded(a.lengths, vocab), "equal": left_padded([mean] * len(a.lengths), vocab)}
-    times = {k: [] for k in batches}
+    times = {(k, n): [] for k in batches for n in (a.new_tokens, 1)}
     calls = {}
     for r in range(a.repeats + 1):                   # the first round warms up
         for name, (ids, mask) in batches.items():
-            t, n = time_generate(model, ids, mask, a.new_tokens)
-            if r:
-                times[name].append(t)
-            calls[name] = n
+            for n in (a.new_tokens, 1):
+                t, c = time_generate(model, ids, mask, n)
+                if r:
+                    times[name, n].append(t)
+                if n == a.new_tokens:
+                    calls[name] = c
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = dict(ragged_s=med["ragged"], equal_s=med["equal"], ratio=med["ragged"] / med["equal"],
-               calls_per_token={k: calls[k] / a.new_tokens for k in calls})
+    total = {k: med[k, a.new_tokens] for k in batches}
+    step = {k: (med[k, a.new_tokens] - med[k, 1]) / max(a.new_tokens - 1, 1) for k in batches}
+    out = dict(ragged_s=total["ragged"], equal_s=total["equal"], ratio=total["ragged"] / total["equal"],
+               step_ratio=step["ragged"] / step["equal"], calls_per_token={k: calls[k] / a.new_tokens for k in calls})
     print(f"# {len(a.lengths)} prompts, {a.new_tokens} new tokens, preset {a.preset}, torch threads "
           f"{torch.get_num_threads()}; median of {a.repeats}")
-    print(f"{'batch':>8} {'lengths':>24} {'seconds':>9} {'calls/token':>12}")
+    print(f"{'batch':>8} {'lengths':>14} {'total s':>9} {'prefill s':>10} {'decode ms/step':>15} {'calls/token':>12}")
     span = f"{min(a.lengths)}-{max(a.lengths)}"
     for name, lens in (("ragged", span), ("equal", f"{len(a.lengths)} x {mean}")):
-        print(f"{name:>8} {lens:>24} {med[name]:>9.3f} {out['calls_per_token'][name]:>12.2f}")
-    print(f"ragged / equal = {out['ratio']:.2f}x")
+        print(f"{name:>8} {lens:>14} {total[name]:>9.3f} {med[name, 1]:>10.3f} {1e3 * step[name]:>15.2f} "
+              f"{out['calls_per_token'][name]:>12.2f}")
+    print(f"ragged / equal = {out['ratio']:.2f}x (decode steps {out['step_ratio']:.2f}x)")
     return out
 
 
