@@ -74,7 +74,7 @@ def _randomize_icl(rng: random.Random, nprng, example: str, num_hops: int = NUM_
     return example.replace("12345", str(nprng.randint(10000, 99999)))
 
 
-def _icl_example(rng, nprng, count: Callable[[str], int], max_length: int) -> str:
+def _icl_example(rng, nprng, count: Callable[[str], int]) -> str:
     """RULER's first call (``max_seq_length=500``, 5-line steps, no generation budget), answer appended."""
     inc = 5
 
@@ -96,7 +96,7 @@ def generate_samples(max_length: int, num_samples: int, count: Callable[[str], i
     import numpy as np
 
     rng, nprng = random.Random(seed), np.random.RandomState(seed)
-    example = _icl_example(rng, nprng, count, max_length)
+    example = _icl_example(rng, nprng, count)
     example_tokens = count(example)
     inc = 5 if max_length < 4096 else 10
 
