@@ -186,3 +186,16 @@ def test_lm_eval_generate_until_batches_a_converted_model_and_equals_batch_one(l
     _, three = _lm_eval(llama_dir, batch_size=3, kvm=KVM)
     assert max(sizes) > 1
     assert three["kvm_toy_gen"] == one["kvm_toy_gen"]
+
+
+@torch.no_grad()
+def test_beam_search_on_a_left_padded_batch_equals_each_row_alone():
+    """Beam search reorders rows across the parts (rows of different lengths) in every step."""
+    model = convert_hf(tiny("llama"), **SMALL)
+    seqs = rows()
+    x, mask = left_pad(seqs)
+    run = dict(max_new_tokens=10, num_beams=3, **GREEDY)
+    out = model.generate(x, attention_mask=mask, **run)
+    for i, s in enumerate(seqs):
+        alone = model.generate(s[None], attention_mask=torch.ones(1, len(s), dtype=torch.long), **run)
+        assert torch.equal(out[i, x.shape[1]:], alone[0, len(s):]), i

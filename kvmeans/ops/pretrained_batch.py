@@ -168,6 +168,8 @@ class ConvertedBatchState:
         """Row ``j`` becomes old row ``idx[j]`` (beam search, batch selection, repeats); forgets the snapshot."""
         idx = torch.as_tensor(idx, dtype=torch.long).cpu().flatten()
         self._snapshot, self._calls = None, []
+        if not self.parts:
+            return
         if len(self.parts) == 1 and self.parts[0][0] is None:
             self.parts[0][1].index_select(idx)
             return
@@ -182,6 +184,8 @@ class ConvertedBatchState:
             picks[p][1].append(local)
         self.parts = [(torch.tensor(js), self.parts[p][1].copy().index_select(torch.tensor(ls)))
                       for p, (js, ls) in sorted(picks.items())]
+        if len(self.parts) == 1:                       # every row from one part: one batch again
+            self.parts = [(None, self.parts[0][1])]
 
     @property
     def batch_size(self) -> int:
