@@ -382,8 +382,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kvm", default=DEFAULT_KVM, metavar="SPEC", help="training-free KVM settings for "
                    f"kvmeans.convert_hf (its budget is set to match the kept keys; default {DEFAULT_KVM}); 'none': no KVM arm")
     p.add_argument("--distilled", metavar="DIR", help="a distilled (saved converted) KVM folder, run at its own settings")
-    p.add_argument("--kvpress-results", metavar="FILE", help="kvpress.json of benchmarks/kvpress/run_kvpress.py on "
-                   "this run's samples.jsonl, merged into the table")
+    p.add_argument("--kvpress-results", nargs="+", metavar="FILE", help="kvpress.json files of "
+                   "benchmarks/kvpress/run_kvpress.py on this run's samples.jsonl, merged into the table")
     p.add_argument("--samples-only", action="store_true", help="write OUT/samples.jsonl and stop")
     p.add_argument("--benches", nargs="+", default=["niah", "ruler", "ppl"], choices=["niah", "ruler", "ppl"])
     p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75], help="compression ratios for recall "
@@ -413,8 +413,9 @@ def _check(p, a) -> None:
         p.error(f"need 0 <= --sinks < --ppl-keys, got {a.sinks} and {a.ppl_keys}")
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; give a transformers model folder")
-    if a.kvpress_results and not Path(a.kvpress_results).is_file():
-        p.error(f"--kvpress-results {a.kvpress_results}: no such file; run benchmarks/kvpress/run_kvpress.py first")
+    for path in a.kvpress_results or []:
+        if not Path(path).is_file():
+            p.error(f"--kvpress-results {path}: no such file; run benchmarks/kvpress/run_kvpress.py first")
 
 
 def all_samples(tokenizer, a) -> List[Dict[str, Any]]:
@@ -442,7 +443,8 @@ def _fmt(v, spec: str = "") -> str:
 
 def tables(rows: Sequence[Dict[str, Any]]) -> str:
     from .report import format_table, human_bytes
-    rec = [r for r in rows if r["bench"] != "ppl"]
+    rec = sorted((r for r in rows if r["bench"] != "ppl"),
+                 key=lambda r: (r["bench"], r["length"], r["ratio"] is not None, r["ratio"] or 0))
     out = []
     if rec:
         out.append(format_table(["bench", "length", "ratio", "arm", "kept", "recall", "cache", "prefill tok/s",
@@ -469,6 +471,23 @@ def _write(out: Path, settings, info, rows, answers) -> None:
     write_json(out / "bench.json", {"settings": settings, "env": info, "rows": rows, "answers": answers})
 
 
+def _recall_setting(group, full: Arm, kvm, distilled, a, tok, record, bar) -> None:
+    """Every arm on one recall setting (same bench and length): full, then per ratio StreamingLLM and KVM at
+    kvpress' kept keys, then the distilled model; ``record(row, answers)`` after each."""
+    model, length = full.model, group[0]["length"]
+    runs: List[Tuple[str, Optional[float], Callable]] = [("full", None, lambda k: full)]
+    for r in a.ratios:
+        runs.append(("streaming", r, lambda k: streaming_arm(model, k, a.sinks)))
+        if kvm is not None:
+            runs.append(("kvm", r, lambda k: kvm_arm(model, k, kvm)))
+    if distilled is not None:
+        runs.append(("kvm distilled", None, lambda k: distilled_arm(distilled, length)))
+    for name, r, make in runs:
+        if bar is not None:
+            bar.set_description(f"{group[0]['bench']} {length} {name} {r or ''}")
+        record(*recall_rows(name, make, group, tok, a.max_new_tokens, r, bar.update if bar is not None else None))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -493,8 +512,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {len(samples)} samples to {out / 'samples.jsonl'}", flush=True)
     if a.samples_only:
         return 0
-    kvpress = json.loads(Path(a.kvpress_results).read_text()) if a.kvpress_results else None
-    rows, answers = merge_kvpress(kvpress, samples, tok) if kvpress else ([], [])
+    rows: List[Dict[str, Any]] = []
+    answers: List[Dict[str, Any]] = []
+    for path in a.kvpress_results or []:
+        got = merge_kvpress(json.loads(Path(path).read_text()), samples, tok)
+        rows += got[0]
+        answers += got[1]
     model = load_model(a.model, torch.float32, "cpu")
     distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
     if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
@@ -515,24 +538,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from tqdm.auto import tqdm
         bar = tqdm(total=total, unit="run", dynamic_ncols=True)
     tick = bar.update if bar is not None else None
+
+    def record(row, ans=()):
+        rows.append(row)
+        answers.extend(ans)
+        _write(out, settings, info, rows, answers)
     try:
         full = Arm("full", model)
-        for group in groups:
-            length = group[0]["length"]
-            runs: List[Tuple[str, Optional[float], Callable]] = [("full", None, lambda k: full)]
-            for r in a.ratios:
-                runs.append(("streaming", r, lambda k: streaming_arm(model, k, a.sinks)))
-                if kvm is not None:
-                    runs.append(("kvm", r, lambda k: kvm_arm(model, k, kvm)))
-            if distilled is not None:
-                runs.append(("kvm distilled", None, lambda k: distilled_arm(distilled, length)))
-            for name, r, make in runs:
-                if bar is not None:
-                    bar.set_description(f"{group[0]['bench']} {length} {name} {r or ''}")
-                row, ans = recall_rows(name, make, group, tok, a.max_new_tokens, r, tick)
-                rows.append(row)
-                answers += ans
-                _write(out, settings, info, rows, answers)
+        niah = [g for g in groups if g[0]["bench"] == "niah"]
+        for group in niah:
+            _recall_setting(group, full, kvm, distilled, a, tok, record, bar)
         for length, w in windows.items():
             arms = [full, streaming_arm(model, a.ppl_keys, a.sinks)]
             arms += [kvm_arm(model, a.ppl_keys, kvm)] if kvm is not None else []
@@ -540,8 +555,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for arm in arms:
                 if bar is not None:
                     bar.set_description(f"ppl {length} {arm.name}")
-                rows.append(ppl_row(arm, w, tick))
-                _write(out, settings, info, rows, answers)
+                record(ppl_row(arm, w, tick))
+        for group in groups[len(niah):]:
+            _recall_setting(group, full, kvm, distilled, a, tok, record, bar)
     finally:
         if bar is not None:
             bar.close()
