@@ -3,6 +3,7 @@ training-free read, is saved and reloaded, stage 1 lowers the alignment loss, st
 equals an uninterrupted one, the eval windows are held out, and CLI mistakes are one line."""
 import copy
 import random
+import sys
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvmeans.train.distill import (DistillConfig, Distiller, alignment_loss, dis
 from kvmeans.train.distill_data import training_sequences  # noqa: E402
 from test_convert_hf import FAMILIES, SMALL, ids, tiny  # noqa: E402
 from test_convert_hf_padding import left_pad, positions, rows  # noqa: E402
+from test_train import losses, read_metrics, run_command  # noqa: E402
 
 SPEC = "budget=8,chunk_len=8,n_bswa_chunks=2,sink_len=2"
 WORDS = ("the cat sat on a mat and dog ran to red ball while bird sang king queen sword crown night day "
@@ -230,6 +232,22 @@ def test_resumed_run_equals_an_uninterrupted_one(teacher_dir, tmp_path):
     resumed.run()
     for (n, p), (_, q) in zip(whole.trained.named_parameters(), resumed.trained.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_torchrun_two_processes_match_one(teacher_dir, tmp_path):
+    """2 gloo processes (one sequence each) == 1 process (both sequences): the losses of every step."""
+    distill(config(teacher_dir, tmp_path / "one", batch_size=2), log_fn=lambda m: None)
+    teacher, files = teacher_dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "kvmeans.train.distill_cli", "--teacher", str(teacher), "--kvm", SPEC, "--out", str(tmp_path / "two"),
+           "--data", *files, "--seq-len", "96", "--stage1-steps", "3", "--stage2-steps", "2", "--lr", "3e-2",
+           "--warmup-steps", "1", "--holdout", "1", "96", "0", "--ckpt-every", "0", "--batch-size", "2"]
+    rc, log = run_command(cmd)
+    assert rc == 0 and "on 2 process(es)" in log, log[-6000:]
+    # (parameters are not compared bit for bit: Adam turns the rounding of near-zero gradients summed in
+    # another order into whole lr-sized steps)
+    torch.testing.assert_close(torch.tensor(losses(read_metrics(tmp_path / "two"))),
+                               torch.tensor(losses(read_metrics(tmp_path / "one"))), rtol=0, atol=1e-5)
 
 
 def test_a_finished_stage_1_run_continues_into_stage_2_on_resume(teacher_dir, tmp_path):

@@ -139,9 +139,10 @@ def _capture_attention(teacher: nn.Module, layers: Sequence[int]):
 
 
 def alignment_loss(teacher: nn.Module, student: nn.Module, ids: torch.Tensor, backward_scale: float = 0.0) -> float:
-    """Stage 1 loss on ``ids [B, T]``: mean over converted layers of ``|y_s - y_t|^2 / |y_t|^2``, each student
-    layer run on the teacher's input to that layer. With ``backward_scale > 0`` each layer's loss times it is
-    backpropagated at once (one layer's graph alive at a time). Returns the loss."""
+    """Stage 1 loss on ``ids [B, T]``: mean over sequences and converted layers of ``|y_s - y_t|^2 / |y_t|^2``
+    (per sequence, so a batch split over ranks averages to the same), each student layer run on the teacher's
+    input to that layer. With ``backward_scale > 0`` each layer's loss times it is backpropagated at once (one
+    layer's graph alive at a time). Returns the loss."""
     layers = student.config.kvm_conversion["layers"]
     seen, handles = _capture_attention(teacher, layers)
     try:
@@ -156,7 +157,8 @@ def alignment_loss(teacher: nn.Module, student: nn.Module, ids: torch.Tensor, ba
         args, kwargs, target = seen.pop(i)
         out = attn[i](*args, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
-        loss = (out.float() - target.float()).pow(2).sum() / target.float().pow(2).sum().clamp_min(1e-12) / len(layers)
+        err = (out.float() - target.float()).pow(2).flatten(1).sum(1)
+        loss = (err / target.float().pow(2).flatten(1).sum(1).clamp_min(1e-12)).mean() / len(layers)
         if backward_scale > 0:
             (loss * backward_scale).backward()
         total += loss.item()
@@ -312,7 +314,8 @@ class Distiller:
         progress.write(f"distill {cfg.teacher} -> {self.out / 'final'}: {len(self.sequences)} training sequences of "
                        f"{cfg.seq_len} tokens (held-out documents {self.heldout}), "
                        f"{sum(p.numel() for p in self.trained.parameters()):,} trained parameters, stage 1 "
-                       f"{cfg.stage1_steps} + stage 2 {cfg.stage2_steps} steps of {cfg.batch_size} sequence(s)"
+                       f"{cfg.stage1_steps} + stage 2 {cfg.stage2_steps} steps of {cfg.batch_size} sequence(s) on "
+                       f"{self.rt.world} process(es)"
                        + (f"; resuming at step {self.step}" if self.step else ""))
         summary: Dict[str, Any] = {"out": str(self.out), "stopped_early": False, "losses": []}
         metrics = MetricsLog(self.out, RunConfig(), self.step if self.step else None, self.rt.is_main)
