@@ -117,7 +117,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
         plan = GroupPlan(groups=groups, cuts=cuts, dest=routes.dest, arrival=arrival,
                          q_spans=[(max(ca * C, t0) - t0, min(cb * C, t1) - t0) for ca, cb in groups],
                          w_spans=[(max(w0, (ca + 1 - n) * C) - w0, min(cb * C, t1) - w0) for ca, cb in groups],
-                         attend=_span_attend(groups, geo), kernel_saves=attn == "triton")
+                         attend=_span_attend(groups, geo), kernel_saves=attn == "triton" or _saves_flash(q, v))
         y, keys, values, radii = reconstruct_attention(plan, qa, ka, va, streams, base, params)
     elif backward == "graph":
         y = _graph_groups(groups, cuts, routes, arrival, qa, ka, va, streams, base, params, geo)
@@ -289,9 +289,12 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
             return (_poison_chunks(out[0], stale), out[1]) if with_lse else _poison_chunks(out, stale)
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
-    y = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale)
-    y = _poison_chunks(y, stale if M else None)
-    return (y, None) if with_lse else y
+    stale = stale if M else None        # a stale snapshot's outputs are poisoned: differentiate a fresh forward
+    out = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale,
+                      saved=None if stale is not None else saved, with_lse=with_lse)
+    if with_lse:
+        return _poison_chunks(out[0], stale), out[1]
+    return _poison_chunks(out, stale)
 
 
 def _poison_chunks(y: Tensor, stale) -> Tensor:
@@ -356,18 +359,54 @@ def _windows(x: Tensor, origin: int, qb: int, e0: int, W: int, C: int) -> Tensor
     return _time_slice(x, e0 - W - origin, qb - origin).unfold(2, W, C)
 
 
-def _group_sdpa(q, keys, values, mask, scale) -> Tensor:
-    """One SDPA call for all chunks of a group; ``q [B, H, G*Cq, D]`` -> ``[B, H, G*Cq, Dv]``."""
+def _group_sdpa(q, keys, values, mask, scale, saved=None, with_lse=False):
+    """One SDPA call for all chunks of a group; ``q [B, H, G*Cq, D]`` -> ``[B, H, G*Cq, Dv]``. Where the CPU flash
+    kernel runs (:func:`_saves_flash`), ``with_lse`` returns ``(y, lse)`` from it (no graph) and ``saved=(y, lse)``
+    from such a call differentiates with its backward instead of running the forward again (``with_lse``
+    elsewhere: ``(y, None)``)."""
     B, G, C = q.shape[0], keys.shape[1], mask.shape[1]
-    qs = q.unflatten(2, (G, C)).transpose(1, 2)                                        # [B,G,H,C,D]
-    y = F.scaled_dot_product_attention(qs.flatten(0, 1), keys.flatten(2, 3).flatten(0, 1),
-                                       values.flatten(2, 3).flatten(0, 1),
-                                       attn_mask=mask.unsqueeze(1).repeat(B, 1, 1, 1), scale=scale)
-    return y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+    by_chunk = lambda t: t.unflatten(2, (G, C)).transpose(1, 2).flatten(0, 1)         # [B*G, H, C, D]
+    qs, k, v = by_chunk(q), keys.flatten(2, 3).flatten(0, 1), values.flatten(2, 3).flatten(0, 1)
+    mask = mask.unsqueeze(1).repeat(B, 1, 1, 1)
+    heads = lambda y: y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
+    if (with_lse or saved is not None) and _saves_flash(q, values):
+        add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        if with_lse:
+            y, lse = _FLASH_CPU(qs, k, v, attn_mask=add, scale=scale)
+            return heads(y), lse
+        return heads(_SavedFlash.apply(qs, k, v, add, scale, by_chunk(saved[0]), saved[1]))
+    y = heads(F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale))
+    return (y, None) if with_lse else y
 
 
-# the CPU flash kernel behind SDPA, which also returns each query's log-sum-exp (no autograd for it)
+# the CPU flash kernel behind SDPA, which also returns each query's log-sum-exp (no autograd for it), and its backward
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _saves_flash(q: Tensor, v: Tensor) -> bool:
+    """The torch path's reconstruction backward can reuse the forward's output and log-sum-exp: the CPU flash kernel
+    runs (on CPU, with values as wide as the queries)."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and _FLASH_CPU_BACKWARD is not None \
+        and _FLASH_CPU is not None
+
+
+class _SavedFlash(torch.autograd.Function):
+    """Masked flash attention whose forward already ran (output ``o``, log-sum-exp ``lse``): returns ``o`` and
+    differentiates with the kernel's backward (the same kernel SDPA runs: the same gradients, no second forward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scale, o, lse):
+        o = o.contiguous()
+        ctx.save_for_backward(q, k, v, mask, o, lse)
+        ctx.scale = scale
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, mask, o, lse = ctx.saved_tensors
+        dq, dk, dv = _FLASH_CPU_BACKWARD(dy.contiguous(), q, k, v, o, lse, 0.0, False, attn_mask=mask, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None
 
 
 def _whole_window(c: int, C: int, n: int, w0: int) -> bool:

@@ -1,0 +1,29 @@
+"""The torch path's reconstruction backward on CPU differentiates the flash kernel's saved forward (output and
+log-sum-exp) instead of running the attention again, with the naive spec's gradients."""
+import pytest
+import torch
+
+import kvmeans.ops.chunk as chunk_mod
+from kvmeans import StateBudget, kvm_attention
+from kvmeans.utils.testing import assert_close, make_inputs
+
+
+@pytest.mark.parametrize("budget", [StateBudget.fixed(4), StateBudget.power_law(2, 0.5, min_len=4)])
+def test_reconstruction_backward_runs_no_second_forward(budget, monkeypatch):
+    monkeypatch.setattr(chunk_mod, "BACKWARD", "reconstruct")
+    monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1 << 14)          # several groups
+    cfg = dict(chunk_len=4, n_bswa_chunks=2, sink_len=1, rope_dim=2, budget=budget)
+    x = make_inputs(T=37, requires_grad=True)
+    args = [x.pop(k) for k in ("q", "k", "v", "gate")]
+    leaves = args + list(x.values())
+    dy = torch.randn(2, 4, 37, 8, dtype=torch.float64)
+    ref = torch.autograd.grad((kvm_attention(*args, **x, **cfg, backend="naive") * dy).sum(), leaves)
+    y = kvm_attention(*args, **x, **cfg, backend="chunked")
+    forwards, flash, sdpa = [], chunk_mod._FLASH_CPU, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(chunk_mod, "_FLASH_CPU", lambda *a, **k: forwards.append(1) or flash(*a, **k))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: forwards.append(1) or sdpa(*a, **k))
+    grads = torch.autograd.grad((y * dy).sum(), leaves)
+    assert forwards == [], "the backward ran the attention forward again"
+    for name, a, b in zip(("q", "k", "v", "gate", *x), ref, grads):
+        assert_close("d" + name, a, b, 1e-10)
