@@ -46,7 +46,8 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
     sched = state.schedule
     seen, rows, cov = list(sched.seen), list(sched.rows), list(sched.coverage)
     starts, ends = [bswa_begin(s, C, n) for s in seen], [s + 1 for s in seen]
-    moving = [b for b in range(B) if bswa_begin(ends[b], C, n) > starts[b]]     # a block leaves the window
+    after = [bswa_begin(e, C, n) for e in ends]                                  # window starts after the step
+    moving = [b for b in range(B) if after[b] > starts[b]]                      # a block leaves the window
     filling = [b for b in range(B) if seen[b] < C]                               # the token becomes a row
     # capacity for the whole step up front: the one-row views below write into these buffers
     _reserve(state, max(rows) + (C if moving else 1), max(e - w for e, w in zip(ends, starts)))
@@ -67,14 +68,14 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
         one = _row_view(state, b, seen[b], rows[b], cov[b])
         absorb(one, one.window_keys, one.window_values, one.window_gates, starts[b], ends[b], budget, ln,
                gate_keys, gate_values, gate_appends, attn=attn)
-        drop = bswa_begin(ends[b], C, n) - starts[b]
-        keep = ends[b] - starts[b] - drop
+        drop = after[b] - starts[b]
+        keep = ends[b] - after[b]
         for buf in (one.window_keys, one.window_values, one.window_gates):
             buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
         rows[b], cov[b] = one.num_rows, one.coverage
     state.set_schedule(RowSchedule(tuple(ends), tuple(rows), tuple(cov)))
-    win = tuple(e - bswa_begin(e, C, n) for e in ends)
-    visible = tuple(r if bswa_begin(e, C, n) > 0 else 0 for r, e in zip(rows, ends))   # inactive: no rows
+    win = tuple(e - a for e, a in zip(ends, after))
+    visible = tuple(r if a > 0 else 0 for r, a in zip(rows, after))             # an inactive state: no rows
     j = _read_out(state, ln, visible, filling + moving)
     R, M, W = j.R, j.M, max(win)
     if attn == "triton":
@@ -121,8 +122,8 @@ def _reserve(state: KVMState, rows: int, window: int) -> None:
             new = old.new_zeros(*old.shape[:2], cap, *old.shape[3:])
             new[:, :, :m] = old[:, :, :m]
             setattr(state, name, new)
-    if fresh or window > state.window_capacity:
-        _joint(state, 0 if fresh else j.R, _grow(window, state.window_capacity))
+    if fresh or window > state.window_capacity:     # fresh: read-out slots for every row the step may leave
+        _joint(state, rows if fresh else j.R, _grow(window, state.window_capacity))
     state._owned, state._readout = False, None       # not the recurrent path's own layout
 
 
