@@ -119,6 +119,27 @@ def test_crop_before_the_snapshot_is_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+@torch.no_grad()
+def test_what_crop_keeps_stays_bounded_and_the_last_call_can_be_undone():
+    """Decoding 80 tokens one by one, then a 100-token call: a converted layer keeps the inputs of at most
+    3 * replay_limit tokens, and crop still undoes the last call's last 32."""
+    model = convert_hf(tiny("llama"), **SMALL)
+    x = torch.randint(1, V, (1, 230), generator=torch.Generator().manual_seed(6))
+    cache = tf.DynamicCache(config=model.config)
+    logits(model, x[:, :40], cache)
+    state = cache.layers[0].state
+    for t in range(40, 120):
+        logits(model, x[:, t:t + 1], cache)
+        assert sum(c[0].shape[2] for c in state._calls) <= 3 * state.replay_limit
+    logits(model, x[:, 120:220], cache)
+    assert sum(c[0].shape[2] for c in state._calls) <= 3 * state.replay_limit
+    cache.crop(-32)
+    want_cache = tf.DynamicCache(config=model.config)
+    logits(model, x[:, :188], want_cache)
+    torch.testing.assert_close(logits(model, x[:, 188:230], cache), logits(model, x[:, 188:230], want_cache),
+                               rtol=0, atol=1e-5)
+
+
 def rollback_spy(monkeypatch):
     """(columns before, after) of every crop of a converted layer that removed tokens."""
     seen, crop = [], KVMCacheLayer.crop

@@ -12,7 +12,8 @@ Rollback. Merged rows cannot be un-merged, but :class:`ConvertedKVMState` tensor
 written in place, so a shallow copy is a snapshot. With ``recording`` (a cache's state; transformers turns
 recording on for the plain cache layers before a converted layer exists, so a cache's converted layers
 always record) a call with no snapshot held takes one first (a call of more than ``replay_limit`` tokens
-runs in two, the snapshot before its last ``replay_limit``), and the inputs of every call since are kept.
+runs in two, the snapshot before its last ``replay_limit``, whether or not one is held), and the inputs of
+every call since are kept.
 ``crop`` back to the snapshot or later restores it and runs the kept inputs again (outputs discarded):
 the state equals one that never saw the removed tokens. A crop keeping more than ``replay_limit`` tokens
 since the snapshot, or a call finding ``2 * replay_limit`` kept, lets the next call snapshot afresh; so
@@ -78,7 +79,7 @@ class ConvertedBatchState:
             return self._run(fn, q, k, v, mask, kwargs)
         per_token = {n: kwargs.pop(n) for n in PER_TOKEN if kwargs.get(n) is not None}
         self._replay = (fn, kwargs)
-        if self._snapshot is not None and self._kept() >= 2 * self.replay_limit:
+        if self._snapshot is not None and (self._kept() >= 2 * self.replay_limit or T > self.replay_limit):
             self._snapshot = None
         if self._snapshot is None and T > self.replay_limit:           # snapshot before the last replay_limit
             head = T - self.replay_limit
