@@ -48,6 +48,19 @@ def test_bench_ops_writes_csv_and_png(tmp_path, capsys):
         assert float(r["read_fraction"]) == pytest.approx(gbps / float(r["read_rate_gbps"]))
 
 
+def test_kvm_backward_modes(tmp_path):
+    """--kvm-backward picks the chunked path's backward: reconstruction keeps less for backward than the graph."""
+    kept = {}
+    for mode in ("graph", "reconstruct"):
+        assert main(SMALL + ["--modes", "backward", "--kvm-backward", mode, "--out", str(tmp_path / mode)]) == 0
+        rows = list(csv.DictReader(open(tmp_path / mode / "ops.csv")))
+        assert {r["kvm_backward"] for r in rows} == {mode}
+        kept[mode] = {(r["T"], r["arm"]): int(r["saved_bytes"]) for r in rows}
+    for key in (("512", "kvm-fixed256"), ("512", "kvm-sqrt16")):
+        assert kept["reconstruct"][key] < kept["graph"][key]
+    assert kept["reconstruct"]["512", "sdpa"] == kept["graph"]["512", "sdpa"]
+
+
 def test_useful_flops_by_hand():
     """T=10, C=2, n=2, one head of width 1 (4 FLOPs per key seen, 2 per routing score). Keys seen per chunk of two
     queries: window 1+2, 3+4, then 3+4 plus 2 state rows each; blocks [2,4) and [4,6) route 2 tokens against 2 rows."""

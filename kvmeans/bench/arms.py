@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmeans import StateBudget, kvm_attention
+from kvmeans.ops import chunk
 from kvmeans.ops.recurrent import own_buffers
 
 ARMS = ("sdpa", "kvm-fixed256", "kvm-sqrt16")
@@ -56,8 +57,15 @@ def kvm_backend(a, decode_step: bool) -> str:
     return impl
 
 
-def kvm(a, arm, q, k, v, g, **kw):
-    """``kvm_attention`` with the arm's budget, the geometry of ``a`` and its ``kvm_impl``."""
+def kvm(a, arm, q, k, v, g, backward=None, **kw):
+    """``kvm_attention`` with the arm's budget, the geometry of ``a`` and its ``kvm_impl``; ``backward`` (under
+    autograd) the chunked path's backward, ``kvmeans.ops.chunk.BACKWARD`` for this call."""
+    if backward is not None:
+        previous, chunk.BACKWARD = chunk.BACKWARD, backward
+        try:
+            return kvm(a, arm, q, k, v, g, **kw)
+        finally:
+            chunk.BACKWARD = previous
     backend = kvm_backend(a, kw.get("initial_state") is not None)
     return kvm_attention(q, k, v, g, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
                          rope_dim=a.rope_dim, budget=BUDGETS[arm], backend=backend,
@@ -105,10 +113,12 @@ def saved_bytes(fn):
 
 def measure_backward(a, arm, x, ctx=None) -> Dict[str, float]:
     """``(y * dy).sum().backward()`` alone (``time``); the forward with grad is ``fwd_grad``; ``saved_bytes``
-    what autograd keeps for backward (distinct storages, the inputs q, k, v, g included when kept)."""
+    what autograd keeps for backward (distinct storages, the inputs q, k, v, g included when kept). KVM takes the
+    chunked path's backward ``a.kvm_backward`` ("auto", "graph" or "reconstruct"; see :mod:`kvmeans.ops.chunk`)."""
     q, k, v, g = (t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g))
+    mode = getattr(a, "kvm_backward", "auto")
     t0 = clock(a.dev)
-    kept, y = saved_bytes(lambda: sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g))
+    kept, y = saved_bytes(lambda: sdpa(q, k, v, True) if arm == "sdpa" else kvm(a, arm, q, k, v, g, backward=mode))
     t1 = clock(a.dev)
     loss = (y * x.dy).sum()
     t2 = clock(a.dev)

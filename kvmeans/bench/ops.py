@@ -51,7 +51,8 @@ CUDA_LENGTHS = CPU_LENGTHS + [65536]
 COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
            "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
-           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "numerics",
+           "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "kvm_backward",
+           "numerics",
            "saved_bytes", "useful_gflop", "gflops", "matmul_gflops", "bound_fraction", "useful_read_mb", "read_gbps",
            "read_rate_gbps", "read_fraction"]
 
@@ -81,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sink-len", type=int, default=1)
     p.add_argument("--kvm-impl", choices=["auto", "torch", "triton"], default="auto",
                    help="KVM arms: auto = Triton kernels on CUDA when installed, torch paths otherwise")
+    p.add_argument("--kvm-backward", choices=["auto", "graph", "reconstruct"], default="auto",
+                   help="KVM backward mode (chunked path): graph keeps every chunk's activations, reconstruct rebuilds "
+                        "each group's state in reverse (less memory), auto picks by size")
     p.add_argument("--numerics", choices=["exact", "mixed"],
                    help="KVM numerics (kvm_attention): default mixed for half dtypes (half-precision attention dots "
                         "with fp32 accumulation, like the flash SDPA it is compared with), exact otherwise")
@@ -157,7 +161,8 @@ def run(argv=None) -> OpsResult:
     info = env_info(a.device)
     print(format_env(info))
     print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
-          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl} numerics={a.numerics}; repeats={a.repeats} (median), "
+          f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl} "
+          f"kvm_backward={a.kvm_backward} numerics={a.numerics}; repeats={a.repeats} (median), "
           f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
     rates = [matmul_rate(a.dev, DTYPES[a.dtype])]       # the FLOP bound's rate, measured again at the end
     res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
@@ -236,7 +241,7 @@ def _ms(vals, pick=statistics.median):
 def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
     cfg = dict(device=a.device, dtype=a.dtype, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                head_dim=a.head_dim, chunk_len=a.chunk_len, n_bswa_chunks=a.n_bswa_chunks, sink_len=a.sink_len,
-               rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl,
+               rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl, kvm_backward=a.kvm_backward,
                numerics=a.numerics)
     rows = []
     for (T, mode, arm), r in res.items():
