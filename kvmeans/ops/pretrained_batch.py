@@ -13,9 +13,8 @@ written in place, so a shallow copy is a snapshot. With ``recording`` (a cache's
 recording on for the plain cache layers before a converted layer exists, so a cache's converted layers
 always record) a call with no snapshot held takes one first (a call of more than ``replay_limit`` tokens
 runs in two, the snapshot before its last ``replay_limit``, whether or not one is held), and the inputs of
-every call since are kept.
-``crop`` back to the snapshot or later restores it and runs the kept inputs again (outputs discarded):
-the state equals one that never saw the removed tokens. A crop keeping more than ``replay_limit`` tokens
+every call since are kept. ``crop`` back to the snapshot or later restores it and runs the kept inputs
+again (outputs discarded): the state equals one that never saw the removed tokens. A crop keeping more than ``replay_limit`` tokens
 since the snapshot, or a call finding ``2 * replay_limit`` kept, lets the next call snapshot afresh; so
 the snapshot is always at or before the start of the last call, and what is kept is at most one state's
 tensors (shared with the live state until they change) and the q/k/v of ``3 * replay_limit`` tokens.
@@ -128,7 +127,7 @@ class ConvertedBatchState:
                         out[dev] = res
                     else:
                         block = out[dev].transpose(1, 2)                        # [g, T, H, Dv]
-                        block[mask[dev]] = res.transpose(1, 2).reshape(-1, *res.shape[1:2], res.shape[-1])
+                        block[mask[dev]] = res.transpose(1, 2).reshape(-1, res.shape[1], res.shape[-1])
                         out[dev] = block.transpose(1, 2)
                 parts.append((rows if whole else r, sub))
         self.parts = parts
