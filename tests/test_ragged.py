@@ -65,6 +65,23 @@ def test_ragged_decode_equals_each_row_alone(budget, sink_len):
     assert_rows_equal(ragged, solos, 1e-10)
 
 
+def test_a_non_finite_token_reaches_only_its_own_row():
+    inp = make_inputs(B=3, H=4, Hkv=2, T=30, D=8)
+    kw = op_kwargs("sqrt", **state_params(inp))
+    lengths = [6, 13, 20]
+    solos = prefill(inp, lengths, kw)
+    ragged = KVMState.stack([s.clone() for s in solos])
+    inp["v"][1, :, 13] = float("nan")                            # row 1's first new token
+    for t in range(8):
+        step = [per_row(inp[n], lengths, t) for n in ("q", "k", "v", "gate")]
+        with torch.no_grad():
+            y = kvm_attention(*step, **kw, initial_state=ragged)
+            want = torch.cat([kvm_attention(*(x[b:b + 1] for x in step), **kw, initial_state=solo)
+                              for b, solo in enumerate(solos)])
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+        torch.testing.assert_close(y[[0, 2]], want[[0, 2]], rtol=0, atol=1e-10)
+
+
 @pytest.mark.parametrize("budget", ["fixed", "sqrt"])
 def test_ragged_multi_token_call_runs_each_position_group_alone(budget):
     lengths, T = [3, 9, 9, 14], 6
@@ -110,6 +127,7 @@ def test_stack_split_and_select_keep_each_row():
     ragged = KVMState.stack(solos)
     assert [r.tolist() for r, _ in ragged.split()] == [[0, 2], [1]]
     assert "ragged seen=[5, 17, 5]" in repr(ragged)
+    assert ragged.nbytes_used == sum(st.nbytes_used for st in solos)
     picked = ragged.index_select(torch.tensor([1, 1]))           # rows at one position: a plain state
     assert picked.schedule is None and picked.seen_tokens == 17 and picked.num_rows == solos[1].num_rows
     torch.testing.assert_close(picked.window()[0][1], solos[1].window()[0][0])

@@ -217,8 +217,13 @@ class KVMState(BatchedState):
     # ---- memory ------------------------------------------------------------------------------
     @property
     def nbytes_used(self) -> int:
-        """Bytes of the rows and window tokens in use."""
-        return sum(t.numel() * t.element_size() for t in (*self.rows(), *self.window()))
+        """Bytes of the rows and window tokens in use (a ragged batch: each row's own)."""
+        if self.schedule is None:
+            return sum(t.numel() * t.element_size() for t in (*self.rows(), *self.window()))
+        slot = lambda *ts: sum(t[0, :, 0].numel() * t.element_size() for t in ts)   # one row / token, all heads
+        windows = self.schedule.window_lens(self.chunk_len, self.n_bswa_chunks)
+        return (sum(self.schedule.rows) * slot(self.keys, self.values, self.radii)
+                + sum(windows) * slot(self.window_keys, self.window_values, self.window_gates))
 
     # ---- copies (clone, detach, index_select, reorder_ come from BatchedState) ----------------
     def _reset_caches(self) -> None:
