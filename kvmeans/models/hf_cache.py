@@ -401,8 +401,8 @@ class KVMCache(Cache):
 
     # ---- inspection ----------------------------------------------------------------------------
     def to_model_cache(self) -> ModelCache:
-        """The single batched :class:`ModelCache` (rows in batch order); raises if the rows were split
-        into groups by padding."""
+        """The single batched :class:`ModelCache` (rows in batch order; rows at different positions hold ragged
+        ``KVMState``s); raises while padding keeps the rows split into groups."""
         if len(self.groups) != 1 or not self._in_order(self.groups[0]) or self.groups[0].cache is None:
             raise ValueError(f"the batch is split into {len(self.groups)} group(s) (padding); "
                              "read .groups for the per-group ModelCaches")
