@@ -1,10 +1,11 @@
 """The "main job" demo: what Key-Value Means attention is for, on a CPU in minutes, nothing downloaded.
 
-Four tiny language models of the same size are trained for the same number of steps, once per seed, on
+Five tiny language models of the same size are trained for the same number of steps, once per seed, on
 a synthetic recall task (by default passkey retrieval: one needle at a random depth, queried at the end; MQAR with
 ``task="mqar"`` in :func:`demo_settings`) at a short training length ``T``, differing only in their
 sequence mixer:
 
+* ``rwkv7``:     RWKV-7, a fixed-state RNN (a matrix state per head, on its own backbone),
 * ``kvm-fixed``: KVM with a fixed state budget (memory flat in the context length),
 * ``kvm-sqrt``:  KVM with a state that grows like ``sqrt(context)``,
 * ``bswa``:      block sliding-window attention (a window of a few chunks),
@@ -49,8 +50,8 @@ from .utils.io import atomic_write
 
 __all__ = ["run_demo", "main", "MODELS", "demo_settings"]
 
-MODELS = ("kvm-fixed", "kvm-sqrt", "bswa", "full")
-LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "full": "full attention"}
+MODELS = ("rwkv7", "kvm-fixed", "kvm-sqrt", "bswa", "full")
+LABELS = {"rwkv7": "RWKV-7", "kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "full": "full attention"}
 
 
 def demo_settings(quick: bool = False) -> Dict[str, Any]:
@@ -89,6 +90,8 @@ def model_config(kind: str, s: Dict[str, Any]) -> KVMModelConfig:
                                                    "min_len": s["fixed_rows"]}, **common)
     if kind == "bswa":
         return KVMModelConfig(mixer="bswa", **common)
+    if kind == "rwkv7":
+        return KVMModelConfig(mixer="rwkv7", **common)
     if kind == "full":
         return KVMModelConfig(mixer="full", **common)
     raise ValueError(f"unknown demo model {kind!r}; choose from {MODELS}")

@@ -104,7 +104,8 @@ def test_demo_runs_with_only_the_demo_extra(lean_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "results.json").is_file()
     assert "matplotlib is not installed; skipping demo.png" in proc.stdout and not (out / "demo.png").exists()
-    assert "[8/8]" in proc.stdout                       # 4 models x 2 seeds, one line each
+    runs = 2 * len(demo.MODELS)
+    assert f"[{runs}/{runs}]" in proc.stdout            # every model x 2 seeds, one line each
     assert "\r" not in proc.stdout + proc.stderr and "step/s" not in proc.stderr, "no bars unless a terminal"
     assert "NumPy" not in proc.stderr, "torch warns at import when numpy is missing"
 
