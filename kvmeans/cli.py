@@ -13,7 +13,9 @@ def _bench(argv: List[str]) -> int:
     return run_subcommand("kvmeans bench", "benchmark", {
         "ops": ("kvmeans.bench.ops", "KVM vs SDPA: prefill, backward, decode, memory (`kvmeans bench ops --help`)"),
         "ragged": ("kvmeans.bench.ragged", "generate on prompts of distinct lengths vs equal lengths: time ratio and "
-                   "calls per token (`kvmeans bench ragged --help`)")}, argv)
+                   "calls per token (`kvmeans bench ragged --help`)"),
+        "pretrained": ("kvmeans.bench.pretrained", "a transformers model: full, StreamingLLM, KVM, kvpress on the "
+                       "same samples (`kvmeans bench pretrained --model DIR --out DIR`)")}, argv)
 
 
 def _demo(argv: List[str]) -> int:

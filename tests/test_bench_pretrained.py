@@ -219,3 +219,10 @@ def test_kvpress_runner_reads_our_samples(model_dir, tok, tmp_path):
                      s[0]["question_ids"], 3, stop={257})
     assert res["samples"][0]["pred"] == tok.decode(full["ids"], skip_special_tokens=True)
     assert sys.executable != str(KVPRESS_PY)
+
+
+def test_routed_through_kvmeans_bench(tmp_path, capsys):
+    from kvmeans.cli import main as cli
+    with pytest.raises(SystemExit) as err:      # routed to this command's parser: a one-line --model error
+        cli(["bench", "pretrained", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert err.value.code == 2 and "--model" in capsys.readouterr().err
