@@ -31,8 +31,9 @@ def rwkv7_attention(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Te
         backend: ``"auto"`` | ``"naive"`` (token loop, the spec) | ``"chunk"`` (training / prefill) |
             ``"recurrent"`` (no-grad decode) | ``"fla"`` (flash-linear-attention's kernels, CUDA). ``"auto"``
             takes fla on CUDA when it is installed and passed a one-time check against ``chunk`` on that device
-            (:func:`~kvmeans.ops.rwkv7.fla_backend.fla_usable`), else ``recurrent`` for a no-grad call shorter
-            than a chunk and ``chunk`` otherwise. All agree within rounding.
+            (:func:`~kvmeans.ops.rwkv7.fla_backend.fla_usable`), else ``recurrent`` for a no-grad call on CPU
+            (measured faster there at any length) or shorter than a chunk, and ``chunk`` otherwise. All agree
+            within rounding.
 
     Returns:
         ``(o [B, T, H, V] in v's dtype, final state [B, H, K, V])``; half inputs are computed in float32 and
@@ -59,7 +60,7 @@ def rwkv7_attention(r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Te
         if r.is_cuda and fla_usable(r.device):
             backend = "fla"
         else:
-            backend = "recurrent" if not needs_grad and T < chunk_size else "chunk"
+            backend = "recurrent" if not needs_grad and (r.device.type == "cpu" or T < chunk_size) else "chunk"
     if backend == "recurrent" and needs_grad:
         raise ValueError("rwkv7_attention: backend='recurrent' has no gradients; use 'chunk' (or 'auto') under "
                          "autograd, or call it under torch.no_grad()")
