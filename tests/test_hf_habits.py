@@ -161,7 +161,8 @@ def test_a_beam_search_cache_continues_through_select(padded):
                                          r"every beam: continue some of them with cache.select\(rows\)"):
         _step(model, cache, nxt)
     before = cache.nbytes, cache.lengths.clone(), repr(cache)
-    assert len(cache.groups) == (2 if padded else 1)
+    assert len(cache.groups) == 1                       # padded rows were merged: one ragged state per layer
+    assert (cache.to_model_cache().layers[0].schedule is not None) == padded
     every = _step(model, copy.deepcopy(cache), nxt.expand(6, 1))    # all beams, the same next token
     for rows in ([4], [5, 0]):
         torch.testing.assert_close(_step(model, cache.select(rows), nxt.expand(len(rows), 1)), every[rows],
