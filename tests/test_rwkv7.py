@@ -241,6 +241,17 @@ def test_model_gradients_reach_every_parameter_and_the_state_is_flat():
     assert sizes[0] == sizes[1] == sizes[2] == 3 * ((4 * 8 * 8) * 4 + 32 * 4 + 32 * 4)
 
 
+def test_value_residual_switch():
+    on, off = tiny_lm(), tiny_lm(value_residual=False)
+    has_v_lora = lambda lm: [b.attn.v_lora is not None for b in lm.transformer.h]
+    assert has_v_lora(on) == [False, True, True] and has_v_lora(off) == [False, False, False]
+    missing, unexpected = off.load_state_dict(on.state_dict(), strict=False)
+    assert not missing and all(".v_lora." in k for k in unexpected)
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        assert not torch.allclose(on(ids)[0], off(ids)[0])           # the same weights but the value mix
+
+
 def test_presets_have_the_paper_sizes():
     for name, (d, layers, heads, scale) in {"rwkv7-120m": (768, 12, 12, 1.0), "rwkv7-350m": (1024, 24, 16, 0.5)}.items():
         cfg = preset(name)
@@ -256,6 +267,7 @@ def test_presets_have_the_paper_sizes():
     (dict(head_dim=16), "KVMModelConfig.head_dim: RWKV-7 heads split hidden_size=32"),
     (dict(num_kv_heads=2), "KVMModelConfig.num_kv_heads: RWKV-7 has no grouped heads"),
     (dict(rwkv7_chunk_size=0), "KVMModelConfig.rwkv7_chunk_size: must be >= 1"),
+    (dict(token_shift=False), "KVMModelConfig.token_shift: RWKV-7's time mixer always shifts"),
     (dict(mixer="rwkv8"), "KVMModelConfig.mixer: unknown mixer 'rwkv8'"),
 ])
 def test_model_config_errors_name_the_field(overrides, match):

@@ -190,6 +190,9 @@ class KVMModelConfig:
         if self.kv_heads != self.num_heads:
             raise ValueError(f"KVMModelConfig.num_kv_heads: RWKV-7 has no grouped heads, got {self.kv_heads} for "
                              f"num_heads={self.num_heads}; leave num_kv_heads=None")
+        if not self.token_shift:
+            raise ValueError("KVMModelConfig.token_shift: RWKV-7's time mixer always shifts its input (its r, w, k, v, "
+                             "a, g mixes); leave token_shift=True (mlp_token_shift switches the channel mixer's)")
 
     @property
     def qk_head_dim(self) -> int:
