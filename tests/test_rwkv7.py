@@ -317,6 +317,25 @@ def test_left_padded_batch_equals_solo_rows():
         assert torch.equal(out[i, L:], alone[0, len(s):]), f"row {i}"
 
 
+def test_left_padded_rows_decode_in_one_call_per_step():
+    model = tiny_hf()
+    seqs = [torch.randint(1, 64, (n,)) for n in (4, 13, 9)]
+    L = max(len(s) for s in seqs)
+    ids, mask = torch.zeros(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):], mask[i, L - len(s):] = s, 1
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask).past_key_values
+        assert len(cache.groups) == 3                                  # prefilled by length
+        nxt = torch.randint(1, 64, (3, 1))
+        got = model(nxt, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
+                    past_key_values=cache).logits[:, -1]
+        assert len(cache.groups) == 1                                  # merged: one batched state per layer
+        for i, s in enumerate(seqs):
+            want = model(torch.cat([s, nxt[i]])[None], use_cache=False).logits[0, -1]
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+
+
 def test_save_load_round_trip(tmp_path):
     from kvmeans.models.hf import KVMForCausalLM
     model, ids = tiny_hf(), torch.randint(0, 64, (2, 20))

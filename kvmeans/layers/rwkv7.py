@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +118,8 @@ class RWKV7State(BatchedState):
     Attributes:
         state: ``[B, H, K, V]`` float32 matrix state of the delta rule.
         x_prev: ``[B, C]`` the last input row (the next call's token-shift predecessor).
-        seen_tokens: tokens processed.  extras: unused (the common state interface).
+        seen_tokens: tokens processed (the longest row's, after :meth:`stack`).  extras: unused (the common
+            state interface).
     """
 
     state: Tensor
@@ -127,6 +128,13 @@ class RWKV7State(BatchedState):
     extras: dict = field(default_factory=dict)
 
     _TENSORS = ("state", "x_prev")
+
+    @classmethod
+    def stack(cls, states: List["RWKV7State"]) -> "RWKV7State":
+        """One state holding the rows of ``states`` in order. Rows may have seen different numbers of tokens:
+        nothing in the recurrence depends on positions, so such a batch continues in one call."""
+        return cls(torch.cat([s.state for s in states]), torch.cat([s.x_prev for s in states]),
+                   max(s.seen_tokens for s in states))
 
     def __repr__(self) -> str:
         B, H, K, V = self.state.shape

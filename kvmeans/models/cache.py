@@ -27,7 +27,7 @@ class ModelCache:
     keep a snapshot).
 
     Attributes:
-        layers: one state per layer (``KVMState``, ``KVCacheState`` or ``OVQState``); None before
+        layers: one state per layer (``KVMState``, ``KVCacheState``, ``OVQState`` or ``RWKV7State``); None before
             the first call.
         mlp_shift: per layer the last MLP input ``[B, d]`` (None without MLP token shift).
         mixers: per layer the mixer name (``"kvm"``, ``"full"``, ...), for reports.
@@ -108,18 +108,20 @@ class ModelCache:
 
     @staticmethod
     def stackable(caches: List["ModelCache"]) -> bool:
-        """Whether :meth:`stack` can join these caches: every layer of every cache holds a ``KVMState``."""
+        """Whether :meth:`stack` can join these caches: every layer of every cache holds a ``KVMState``, or
+        every one an ``RWKV7State``."""
+        from ..layers.rwkv7 import RWKV7State
         from ..ops.state import KVMState
-        return all(isinstance(st, KVMState) for c in caches for st in c.layers) and \
+        kinds = {type(st) for c in caches for st in c.layers}
+        return len(kinds) == 1 and kinds <= {KVMState, RWKV7State} and \
             len({tuple(s is None for s in c.mlp_shift) for c in caches}) == 1
 
     @classmethod
     def stack(cls, caches: List["ModelCache"]) -> "ModelCache":
-        """One cache holding the rows of ``caches`` in order (each layer a ``KVMState``, see :meth:`stackable`);
-        rows at different positions make each layer's state ragged (``KVMState.stack``)."""
-        from ..ops.state import KVMState
+        """One cache holding the rows of ``caches`` in order (see :meth:`stackable`); rows at different positions
+        make each KVM layer's state ragged (``KVMState.stack``; ``RWKV7State.stack`` needs no positions)."""
         first = caches[0]
-        layers = [KVMState.stack([c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        layers = [type(first.layers[i]).stack([c.layers[i] for c in caches]) for i in range(len(first.layers))]
         shift = [None if t is None else torch.cat([c.mlp_shift[i] for c in caches])
                  for i, t in enumerate(first.mlp_shift)]
         return cls(layers, shift, list(first.mixers), max(c.seen_tokens for c in caches))

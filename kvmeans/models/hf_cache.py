@@ -14,8 +14,8 @@ padding first merges the groups back into one when every layer is a KVM layer: r
 different numbers of tokens then share one ragged state per layer (``KVMState.schedule``: each row's
 chunk boundaries, state rows and window; :mod:`kvmeans.ops.ragged`), so a left-padded prompt batch is
 prefilled with one call per distinct prompt length and then decodes with one call per step, each row
-equal to its solo run. Models with other mixers (full, SWA, BSWA, OVQ) keep one group per distinct
-length (one call per group per step).
+equal to its solo run. RWKV-7 models merge too (their states do not depend on positions). Models with
+other mixers (full, SWA, BSWA, OVQ) keep one group per distinct length (one call per group per step).
 
 Beam search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` gather rows
 (and so every layer's state) across groups.
