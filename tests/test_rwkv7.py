@@ -304,13 +304,20 @@ def test_beam_search_with_the_cache_equals_uncached_beam_search():
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
-def test_left_padded_batch_equals_solo_rows():
-    model = tiny_hf()
-    seqs = [torch.randint(1, 64, (n,)) for n in (4, 13, 9)]
-    L = max(len(s) for s in seqs)
-    ids, mask = torch.zeros(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long)
+def left_padded(lengths):
+    """``(sequences, ids [B, L], mask [B, L])`` of random sequences right-aligned with pads in front."""
+    seqs = [torch.randint(1, 64, (n,)) for n in lengths]
+    L = max(lengths)
+    ids, mask = torch.zeros(len(seqs), L, dtype=torch.long), torch.zeros(len(seqs), L, dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, L - len(s):], mask[i, L - len(s):] = s, 1
+    return seqs, ids, mask
+
+
+def test_left_padded_batch_equals_solo_rows():
+    model = tiny_hf()
+    seqs, ids, mask = left_padded((4, 13, 9))
+    L = ids.shape[1]
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
     for i, s in enumerate(seqs):
         alone = model.generate(s[None], max_new_tokens=8, **GREEDY)
@@ -319,11 +326,7 @@ def test_left_padded_batch_equals_solo_rows():
 
 def test_left_padded_rows_decode_in_one_call_per_step():
     model = tiny_hf()
-    seqs = [torch.randint(1, 64, (n,)) for n in (4, 13, 9)]
-    L = max(len(s) for s in seqs)
-    ids, mask = torch.zeros(3, L, dtype=torch.long), torch.zeros(3, L, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, L - len(s):], mask[i, L - len(s):] = s, 1
+    seqs, ids, mask = left_padded((4, 13, 9))
     with torch.no_grad():
         cache = model(ids, attention_mask=mask).past_key_values
         assert len(cache.groups) == 3                                  # prefilled by length
