@@ -304,6 +304,22 @@ def test_beam_search_with_the_cache_equals_uncached_beam_search():
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
+def test_prompt_lookup_decoding_rolls_back_and_equals_greedy(monkeypatch):
+    from kvmeans.models.hf_cache import KVMCache
+    model = tiny_hf()
+    ids = torch.randint(1, 64, (1, 6)).repeat(1, 3)                   # text that repeats: drafts to verify
+    greedy = model.generate(ids, max_new_tokens=12, **GREEDY)
+    removed, crop = [], KVMCache.crop
+
+    def counting_crop(self, n):
+        before = self.get_seq_length()
+        crop(self, n)
+        removed.append(before - self.get_seq_length())
+    monkeypatch.setattr(KVMCache, "crop", counting_crop)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=4, **GREEDY), greedy)
+    assert any(r > 0 for r in removed)                                 # some drafts were rejected and undone
+
+
 def left_padded(lengths):
     """``(sequences, ids [B, L], mask [B, L])`` of random sequences right-aligned with pads in front."""
     seqs = [torch.randint(1, 64, (n,)) for n in lengths]
