@@ -1,5 +1,6 @@
 """The torch path's reconstruction backward on CPU differentiates the flash kernel's saved forward (output and
-log-sum-exp) instead of running the attention again, with the naive spec's gradients."""
+log-sum-exp) instead of running the attention again, and reads whole chunks as the no-grad prefill does (state,
+previous chunks, own chunk: three flash calls joined by their log-sum-exp), with the naive spec's gradients."""
 import pytest
 import torch
 
@@ -18,7 +19,10 @@ def test_reconstruction_backward_runs_no_second_forward(budget, monkeypatch):
     leaves = args + list(x.values())
     dy = torch.randn(2, 4, 37, 8, dtype=torch.float64)
     ref = torch.autograd.grad((kvm_attention(*args, **x, **cfg, backend="naive") * dy).sum(), leaves)
+    joins, join = [], chunk_mod._join
+    monkeypatch.setattr(chunk_mod, "_join", lambda *a, **k: joins.append(1) or join(*a, **k))
     y = kvm_attention(*args, **x, **cfg, backend="chunked")
+    assert joins, "whole chunks with whole windows take the joined read (three flash calls, no window copy)"
     forwards, flash, sdpa = [], chunk_mod._FLASH_CPU, torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(chunk_mod, "_FLASH_CPU", lambda *a, **k: forwards.append(1) or flash(*a, **k))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",

@@ -96,7 +96,9 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
     if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
         per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
-    groups = _groups(c_first, c_last, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn)
+    joins = attn != "triton" and _saves_flash(q, v)    # the reconstruction backward's joined read: like chunks together
+    kind = (lambda c: (routes.rows_at[c] > 0, _whole_window(c, C, n, w0))) if joins else None
+    groups = _groups(c_first, c_last, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn, kind)
     backward = BACKWARD if backward is None else backward
     if backward == "auto":
         # the graph keeps per chunk SDPA's keys/values over [state ; window] plus the snapshot sums (~2x);
@@ -174,6 +176,12 @@ def _span_attend(groups, geo):
 
     def attend(i, q_span, kw_span, vw_span, base, streams, dest, arrival, params, saved=None, with_lse=False):
         ca, cb = groups[i]
+        if geo["attn"] != "triton" and (saved is not None or with_lse) and \
+                _joinable(ca, cb, q_span, vw_span, geo["rows_at"], C, n, w0):
+            out = _joined_group(ca, cb, q_span, kw_span, vw_span, *base, *streams, dest, arrival, *params, **geo,
+                                saved=saved, with_lse=with_lse)
+            if out is not None:
+                return out
         if geo["attn"] != "triton":     # the span holds tokens from max(w0, (ca+1-n)*C) on
             geometry = _window_geometry(ca, cb, C, n, t0, t1, w0)[1:]
             kw_span, vw_span = (_windows(x, max(w0, (ca + 1 - n) * C), *geometry, C) for x in (kw_span, vw_span))
@@ -275,15 +283,8 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
     if not tri:
         keys, values = _group_operands(q, kw, vw, bswa_temp, M)
     if M:
-        snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
-        heads = torch.arange(Hkv, device=q.device).view(Hkv, 1)
-        slot = (((arrival - ca) * Hkv + heads) * M + dest).flatten(1, 2).unsqueeze(1)
-        for b, s in zip((base_k, base_v, base_r), (dk, dv, dr)):
-            inc = b.new_zeros(B, 1, G * Hkv * M, *b.shape[3:])                          # [B, 1, G*Hkv*M, ...]
-            inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
-            snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
-        k_hat, v_hat, bad_rows = finite_tokens(*readout(*snap, value_radius, ln_w, ln_b, ln_eps))  # [B,G,Hkv,M,D]
-        stale = None if bad_rows is None else bad_rows.any(-1)
+        k_hat, v_hat, stale = _snapshots(ca, G, M, base_k, base_v, base_r, dk, dv, dr, dest, arrival, value_radius,
+                                         ln_w, ln_b, ln_eps)
         if tri:
             out = _triton_group(ca, cb, q, k_hat.to(q.dtype), v_hat.to(q.dtype), *tri_args, **tri_geo)
             return (_poison_chunks(out[0], stale), out[1]) if with_lse else _poison_chunks(out, stale)
@@ -295,6 +296,53 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
     if with_lse:
         return _poison_chunks(out[0], stale), out[1]
     return _poison_chunks(out, stale)
+
+
+def _snapshots(ca, G, M, base_k, base_v, base_r, dk, dv, dr, dest, arrival, value_radius, ln_w, ln_b, ln_eps):
+    """``(k_hat, v_hat [B, G, Hkv, M, D|Dv], stale [B, G, Hkv] or None)``: the read-out state each chunk ``ca + g``
+    sees (base sums plus the tokens that arrived in the group before it; non-finite rows zeroed and flagged)."""
+    B, Hkv = base_k.shape[:2]
+    snap = []   # state sums seen by each chunk: base + cumulative increments of tokens arriving in the group
+    heads = torch.arange(Hkv, device=dest.device).view(Hkv, 1)
+    slot = (((arrival - ca) * Hkv + heads) * M + dest).flatten(1, 2).unsqueeze(1)
+    for b, s in zip((base_k, base_v, base_r), (dk, dv, dr)):
+        inc = b.new_zeros(B, 1, G * Hkv * M, *b.shape[3:])                          # [B, 1, G*Hkv*M, ...]
+        inc = _scatter_tokens(inc, slot, s.flatten(1, 2).unsqueeze(1)).squeeze(1)
+        snap.append(inc.unflatten(1, (G, Hkv, M)).cumsum(1) + b[:, :, :M].unsqueeze(1))
+    k_hat, v_hat, bad_rows = finite_tokens(*readout(*snap, value_radius, ln_w, ln_b, ln_eps))
+    return k_hat, v_hat, None if bad_rows is None else bad_rows.any(-1)
+
+
+def _joined_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
+                  ln_w, ln_b, *, C, n, scale, value_radius, rows_at, ln_eps, saved=None, with_lse=False, **_):
+    """:func:`_attend_group` for the reconstruction backward on CPU when the group's chunks are whole, their windows
+    whole and their snapshots active (or all inactive): the read of :func:`_joined_attention` (window spans ``kw, vw
+    [B, Hkv, N, D|Dv]`` from position ``(ca + 1 - n) * C``, no window copy, no mask). ``with_lse``: ``(y, lse)`` (no
+    graph); ``saved=(y, lse)`` from that call: ``y`` differentiable through :class:`_JoinedSaved`. None where a
+    snapshot holds a non-finite row (the caller takes the masked path, which poisons its chunks)."""
+    B, H, G = q.shape[0], q.shape[1], cb - ca
+    M = rows_at[cb - 1]
+    k_hat = v_hat = None
+    if M:
+        k_hat, v_hat, stale = _snapshots(ca, G, M, base_k, base_v, base_r, dk, dv, dr, dest, arrival, value_radius,
+                                         ln_w, ln_b, ln_eps)
+        if stale is not None:
+            return None
+    parts = _joined_operands(q, k_hat, v_hat, rows_at[ca:cb], kw, vw, (n - 1) * C, state_temp, bswa_temp, C=C, n=n)
+    heads = lambda y: y.view(B, G, H, C, -1).transpose(1, 2).flatten(2, 3)           # [B*G, H, C, Dv] -> [B, H, G*C, Dv]
+    if with_lse:
+        o = q.new_empty(B, G, H, C, vw.shape[-1])
+        lse = _join(parts, scale, o)
+        return heads(o), lse
+    o = saved[0].unflatten(2, (G, C)).transpose(1, 2).flatten(0, 1)
+    return heads(_JoinedSaved.apply(o, saved[1], scale, [(c, m) for *_, c, m in parts],
+                                    *(t for part in parts for t in part[:3])))
+
+
+def _joinable(ca, cb, q, v, rows_at, C, n, w0) -> bool:
+    """The group can take :func:`_joined_group`: whole chunks with whole windows, every snapshot active or none."""
+    active = {rows_at[c] > 0 for c in range(ca, cb)}
+    return _saves_flash(q, v) and q.shape[2] == (cb - ca) * C and _whole_window(ca, C, n, w0) and len(active) == 1
 
 
 def _poison_chunks(y: Tensor, stale) -> Tensor:
@@ -420,34 +468,57 @@ def _joined_attention(y, q, keys, values, rows, kk, vv, start, state_temp, bswa_
     n - 1 previous chunks and their own chunk (causal) of ``kk, vv [B, Hkv, N, D|Dv]`` (chunk ``g`` starts at
     ``start + g*C``). Three unmasked flash calls (the window read as views, no copy) joined by their log-sum-exp;
     the one-call masked SDPA computes the same keys plus a mask and a window copy per chunk."""
+    B, H, _, _ = q.shape
+    G = keys.shape[1]
+    parts = _joined_operands(q, keys, values, rows, kk, vv, start, state_temp, bswa_temp, C=C, n=n)
+    _join(parts, scale, y.unflatten(2, (G, C)).transpose(1, 2))
+    return y
+
+
+def _joined_operands(q, keys, values, rows, kk, vv, start, state_temp, bswa_temp, *, C, n) -> list:
+    """The flash calls of a joined read (see :func:`_joined_attention`; ``keys, values`` ``[B, G, Hkv, (1,) M, ...]``
+    or None without state rows): ``[(q, k, v, is_causal, mask)]``, queries ``[B*G, H, C, D]`` (own chunk) or
+    ``[B*G, Hkv, rep*C, D]`` (the same memory: each kv head's query heads together), differentiable when their
+    inputs are."""
     B, H, _, D = q.shape
-    Hkv, G, M, Dv = kk.shape[1], keys.shape[1], keys.shape[4], vv.shape[3]
+    Hkv, G = kk.shape[1], q.shape[2] // C
     rep = H // Hkv
-    by_chunk = lambda t: t.permute(0, 3, 1, 2, 4, 5)        # [B, Hkv, rep, G, C, ...] -> [B, G, Hkv, rep, C, ...]
-    heads = lambda t: t.unflatten(2, (G, C)).unflatten(1, (Hkv, rep))
+    grouped = q.unflatten(2, (G, C)).unflatten(1, (Hkv, rep)).permute(0, 3, 1, 2, 4, 5)   # [B, G, Hkv, rep, C, D]
 
     def queries(temp):      # [B*G, Hkv, rep*C, D]: the query heads of a kv head together, temperature applied
+        temp = temp.view(1, 1, Hkv, rep, 1, 1)
+        if torch.is_grad_enabled() and (q.requires_grad or temp.requires_grad):
+            return (grouped * temp).reshape(B * G, Hkv, rep * C, D)
         out = q.new_empty(B, G, Hkv, rep, C, D)
-        torch.mul(by_chunk(heads(q)), temp.view(1, 1, Hkv, rep, 1, 1), out=out)
+        torch.mul(grouped, temp, out=out)
         return out.view(B * G, Hkv, rep * C, D)
     qw = queries(bswa_temp)
     own = [t[:, :, start:start + G * C].unflatten(2, (G, C)).transpose(1, 2).reshape(B * G, Hkv, C, t.shape[-1])
            for t in (kk, vv)]
     own = [t.repeat_interleave(rep, 1) for t in own] if rep > 1 else own
-    parts = [_FLASH_CPU(qw.view(B * G, H, C, D), *own, is_causal=True, scale=scale)[:2]]
+    parts = [(qw.view(B * G, H, C, D), *own, True, None)]
     if n > 1:
         L = (n - 1) * C
         prev = [t[:, :, start - L:start + (G - 1) * C].unfold(2, L, C).permute(0, 2, 1, 4, 3).reshape(B * G, Hkv, L, -1)
                 for t in (kk, vv)]
-        parts.append(_FLASH_CPU(qw, *prev, scale=scale)[:2])
+        parts.append((qw, *prev, False, None))
+    M = 0 if keys is None else keys.shape[-2]
     if M:
         mask = None
         if min(rows) < M:   # rows created after this chunk's snapshot
             hidden = torch.arange(M, device=q.device) >= torch.tensor(rows, device=q.device).view(G, 1)
             mask = q.new_zeros(G, M).masked_fill_(hidden, float("-inf")).repeat(B, 1).view(B * G, 1, 1, M)
-        parts.append(_FLASH_CPU(queries(state_temp), keys.view(B * G, Hkv, M, D), values.view(B * G, Hkv, M, Dv),
-                                attn_mask=mask, scale=scale)[:2])
-    lse = [l.view(B, G, Hkv, rep, C, 1) for _, l in parts]
+        parts.append((queries(state_temp), keys.reshape(B * G, Hkv, M, D), values.reshape(B * G, Hkv, M, -1), False,
+                      mask))
+    return parts
+
+
+def _join(parts, scale, out: Tensor) -> Tensor:
+    """Run the flash calls of ``parts`` (:func:`_joined_operands`) and join them by their log-sum-exp into
+    ``out [B, G, H, C, Dv]`` (any strides); returns the joint log-sum-exp ``[B*G, H, C]``."""
+    runs = [_FLASH_CPU(pq, pk, pv, is_causal=causal, attn_mask=mask, scale=scale)[:2]
+            for pq, pk, pv, causal, mask in parts]
+    lse = [l.reshape(*out.shape[:4], 1) for _, l in runs]
     top = lse[0]
     for l in lse[1:]:
         top = torch.maximum(top, l)
@@ -455,14 +526,37 @@ def _joined_attention(y, q, keys, values, rows, kk, vv, start, state_temp, bswa_
     total = w[0] + w[1] if len(w) > 1 else w[0]
     for x in w[2:]:
         total += x
-    out = by_chunk(heads(y))
-    for i, ((o, _), x) in enumerate(zip(parts, w)):
-        o = o.view(B, G, Hkv, rep, C, Dv)
+    joint = (top + total.log()).flatten(0, 1).squeeze(-1).contiguous()
+    for i, ((y, _), x) in enumerate(zip(runs, w)):
         if i == 0:
-            torch.mul(o, x.div_(total), out=out)
+            torch.mul(y.view(out.shape), x.div_(total), out=out)
         else:
-            out.addcmul_(o, x.div_(total))
-    return y
+            out.addcmul_(y.view(out.shape), x.div_(total))
+    return joint
+
+
+class _JoinedSaved(torch.autograd.Function):
+    """A joined read whose forward already ran (output ``o [B*G, H, C, Dv]``, joint log-sum-exp ``lse``): returns
+    ``o``; the backward runs the flash kernel's backward on each part with the joint ``o`` and ``lse`` (a part's
+    probabilities are its share of the one softmax), so no forward runs again."""
+
+    @staticmethod
+    def forward(ctx, o, lse, scale, flags, *operands):
+        o = o.contiguous()
+        ctx.save_for_backward(o, lse, *operands)
+        ctx.scale, ctx.flags = scale, flags
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, dy):
+        o, lse, *ops = ctx.saved_tensors
+        dy, grads = dy.contiguous(), []
+        for i, (causal, mask) in enumerate(ctx.flags):
+            pq, pk, pv = ops[3 * i:3 * i + 3]
+            lay = lambda t: t.view(*pq.shape[:3], t.shape[-1])                  # the part's query layout
+            grads += _FLASH_CPU_BACKWARD(lay(dy), pq, pk, pv, lay(o), lse.view(pq.shape[:3]), 0.0, causal,
+                                         attn_mask=mask, scale=ctx.scale)
+        return (None, None, None, None, *grads)
 
 
 def _rows_visible(state: KVMState, block_rows: dict, t1: int) -> List[int]:
