@@ -195,6 +195,11 @@ def test_command_writes_samples_table_and_merges(model_dir, tmp_path, capsys):
     assert (out / "bench.csv").read_text().startswith("bench,length,ratio,arm,kept_keys,score")
     printed = capsys.readouterr().out
     assert "kvpress tova" in printed and "x full" in printed
+    assert bp.main(common + ["--kvpress-results", str(kv), "--arms"]) == 0          # merge only: no model run
+    assert [r["arm"] for r in json.loads((out / "bench.json").read_text())["rows"]] == ["kvpress tova"]
+    assert bp.main(common + ["--arms", "kvm", "--ratios", "0.75"]) == 0
+    assert [(r["bench"], r["arm"]) for r in json.loads((out / "bench.json").read_text())["rows"]] == \
+        [("niah", "kvm"), ("ppl", "kvm")]
     with pytest.raises(SystemExit):
         bp.main(common + ["--ratios", "1.5"])
 

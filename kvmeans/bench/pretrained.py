@@ -56,6 +56,7 @@ __all__ = ["Arm", "chat_parts", "niah_samples", "ruler_samples", "sample_sha256"
 
 NIAH_DEPTHS = (10, 30, 50, 70, 90)
 DEFAULT_KVM = "chunk_len=32,n_bswa_chunks=4,sink_len=4"
+ARMS = ("full", "streaming", "kvm")
 
 
 @dataclass
@@ -385,6 +386,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-results", nargs="+", metavar="FILE", help="kvpress.json files of "
                    "benchmarks/kvpress/run_kvpress.py on this run's samples.jsonl, merged into the table")
     p.add_argument("--samples-only", action="store_true", help="write OUT/samples.jsonl and stop")
+    p.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS, help="our arms to run (default all; none: "
+                   "only merge --kvpress-results); the distilled arm runs whenever --distilled is given")
     p.add_argument("--benches", nargs="+", default=["niah", "ruler", "ppl"], choices=["niah", "ruler", "ppl"])
     p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75], help="compression ratios for recall "
                    "(kept keys = (1 - r) x the context; default 0.5 0.75)")
@@ -482,7 +485,7 @@ def _recall_setting(group, full: Arm, kvm, distilled, a, tok, record, bar) -> No
             runs.append(("kvm", r, lambda k: kvm_arm(model, k, kvm)))
     if distilled is not None:
         runs.append(("kvm distilled", None, lambda k: distilled_arm(distilled, length)))
-    for name, r, make in runs:
+    for name, r, make in [run for run in runs if run[0] in a.arms or run[0] == "kvm distilled"]:
         if bar is not None:
             bar.set_description(f"{group[0]['bench']} {length} {name} {r or ''}")
         record(*recall_rows(name, make, group, tok, a.max_new_tokens, r, bar.update if bar is not None else None))
@@ -518,15 +521,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         got = merge_kvpress(json.loads(Path(path).read_text()), samples, tok)
         rows += got[0]
         answers += got[1]
-    model = load_model(a.model, torch.float32, "cpu")
+    model = load_model(a.model, torch.float32, "cpu") if a.arms else None
     distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
     if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
         raise UsageError(f"--distilled {a.distilled}: not a converted KVM folder (no kvm_conversion in its "
                          "config.json); give the output folder of kvmeans distill")
     windows = {n: text_windows(tok, "shakespeare", a.ppl_windows, n, a.seed) for n in a.ppl_lengths} \
-        if "ppl" in a.benches else {}
+        if "ppl" in a.benches and (a.arms or distilled is not None) else {}
     groups = _settings(samples)
-    n_comp, n_one = 1 + (kvm is not None), 1 + (distilled is not None)
+    n_comp = ("streaming" in a.arms) + (kvm is not None and "kvm" in a.arms)
+    n_one = ("full" in a.arms) + (distilled is not None)
     total = sum(len(g) * (n_one + n_comp * len(a.ratios)) for g in groups) + \
         len(windows) * a.ppl_windows * (n_one + n_comp)
     info = env_info()
@@ -549,8 +553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for group in niah:
             _recall_setting(group, full, kvm, distilled, a, tok, record, bar)
         for length, w in windows.items():
-            arms = [full, streaming_arm(model, a.ppl_keys, a.sinks)]
-            arms += [kvm_arm(model, a.ppl_keys, kvm)] if kvm is not None else []
+            arms = [full] if "full" in a.arms else []
+            arms += [streaming_arm(model, a.ppl_keys, a.sinks)] if "streaming" in a.arms else []
+            arms += [kvm_arm(model, a.ppl_keys, kvm)] if kvm is not None and "kvm" in a.arms else []
             arms += [distilled_arm(distilled, length)] if distilled is not None else []
             for arm in arms:
                 if bar is not None:
