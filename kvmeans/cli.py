@@ -63,11 +63,32 @@ def parse_kvm_arg(spec: Optional[str]) -> Optional[dict]:
         raise UsageError(f"--kvm {spec}: {err}") from None
 
 
-def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None):
+def add_budget_argument(parser: argparse.ArgumentParser) -> None:
+    """``--budget SPEC``: evaluate a KVM model with another state schedule than it was trained with."""
+    parser.add_argument("--budget", default=None, metavar="SPEC",
+                        help="KVM models: replace every KVM layer's state budget on load (no retraining): N, "
+                             "fixed:N, saturating:N[:MIN_LEN] or power_law:FACTOR[:EXPONENT[:MIN_LEN]] "
+                             "(16*sqrt(N): power_law:16:0.5:256)")
+
+
+def parse_budget_arg(spec: Optional[str]):
+    """The budget of ``--budget SPEC`` (None without it); a :class:`UsageError` naming ``--budget`` when bad."""
+    if spec is None:
+        return None
+    from .ops.budget import parse_budget_spec
+    try:
+        return parse_budget_spec(str(spec))
+    except ValueError as err:
+        raise UsageError(f"--budget: {err}") from None
+
+
+def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget=None):
     """The model in ``model_dir`` on ``device`` in eval mode: ``KVMForCausalLM`` for our (or the authors')
-    layout; a saved converted model through :func:`kvmeans.load_converted`; any other transformers causal
-    LM through ``AutoModelForCausalLM``, converted with ``kvm`` (:func:`parse_kvm_arg`) when given.
-    A :class:`UsageError` naming ``--model`` / ``--kvm`` for missing files or a spec that cannot apply."""
+    layout, with every KVM layer's schedule replaced by ``budget`` (:func:`parse_budget_arg`) when given; a saved
+    converted model through :func:`kvmeans.load_converted`; any other transformers causal LM through
+    ``AutoModelForCausalLM``, converted with ``kvm`` (:func:`parse_kvm_arg`) when given.
+    A :class:`UsageError` naming ``--model`` / ``--kvm`` / ``--budget`` for missing files or a spec that cannot
+    apply."""
     import json
 
     from .models.convert import REFERENCE_MODEL_TYPE
@@ -82,9 +103,13 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None):
     if kvm is not None and (native or raw.get(CONFIG_KEY)):
         why = "is a KVM model already" if native else f"is converted already (config.json {CONFIG_KEY})"
         raise UsageError(f"--kvm: {model_dir} {why}; drop --kvm")
+    if budget is not None and not native:
+        raise UsageError(f"--budget: {model_dir} is not a KVM-native model (model_type {raw.get('model_type')!r}); "
+                         "a plain transformers model takes its schedule from --kvm budget=SPEC")
     try:
         if native:
-            model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype, **({} if budget is None else
+                                                                             {"budget": budget}))
         elif raw.get(CONFIG_KEY):
             model = load_converted(model_dir, dtype=dtype)
         else:
@@ -129,8 +154,10 @@ def _generate(argv: List[str]) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32")
     p.add_argument("--cache-report", action="store_true", help="print the per-layer cache table")
     add_kvm_argument(p)
+    add_budget_argument(p)
     a = p.parse_args(argv)
     kvm = parse_kvm_arg(a.kvm)
+    budget = parse_budget_arg(a.budget)
     if a.max_new_tokens < 1 or a.temperature < 0 or not 0 < a.top_p <= 1:
         p.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     check_model_dir(a.model)
@@ -148,7 +175,7 @@ def _generate(argv: List[str]) -> int:
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
-    model = load_model(a.model, dtype, device, kvm)
+    model = load_model(a.model, dtype, device, kvm, budget)
     ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         p.error("the prompt encodes to no tokens")

@@ -59,7 +59,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from ..models.convert import is_reference_checkpoint, reference_config_to_ours
 from ..models.hf import KVMConfig, KVMForCausalLM
-from ..cli import load_model, parse_kvm_arg
+from ..cli import load_model, parse_budget_arg, parse_kvm_arg
 from ..utils.cli import run_main
 from .lm_eval_cli import MODEL_NAME, main, translate_args
 
@@ -89,6 +89,7 @@ class KVMLM(HFLM):
     Args:
         pretrained: model directory or a ``KVMForCausalLM`` instance.
         kvm: a ``--kvm`` spec applied to a plain transformers folder (:func:`kvmeans.cli.load_model`).
+        budget: a ``--budget`` spec replacing a KVM model's state schedule on load (:func:`kvmeans.cli.load_model`).
         tokenizer: None (the model's), a path, or a ``PreTrainedTokenizerFast``.
         dtype: ``"auto"`` (as stored), ``"float32"``, ``"bfloat16"``, ... (directories only).
         device: None = cuda if available, else cpu.
@@ -96,7 +97,8 @@ class KVMLM(HFLM):
     """
 
     def __init__(self, pretrained: Any, tokenizer: Any = None, dtype: Any = "auto", device: Optional[str] = None,
-                 batch_size: Any = 1, max_length: Optional[int] = None, kvm: Optional[str] = None, **kwargs):
+                 batch_size: Any = 1, max_length: Optional[int] = None, kvm: Optional[str] = None,
+                 budget: Any = None, **kwargs):
         if isinstance(pretrained, (str, os.PathLike)):
             pretrained = str(pretrained)
             if not os.path.isdir(pretrained):
@@ -110,6 +112,10 @@ class KVMLM(HFLM):
                              "length limit (2**30); also pass max_length=N in --model_args, or use an integer "
                              "batch_size")
         self._kvm = parse_kvm_arg(kvm)
+        self._budget = parse_budget_arg(budget)
+        if self._budget is not None and isinstance(pretrained, KVMForCausalLM):
+            raise ValueError("kvm: budget= applies when loading a model directory; load the instance with "
+                             "KVMForCausalLM.from_pretrained(dir, budget=...) instead")
         kwargs.pop("backend", None)
         kwargs.pop("trust_remote_code", None)      # our code is local: nothing remote to trust
         super().__init__(pretrained=pretrained, backend="causal", tokenizer=tokenizer, dtype=dtype,
@@ -134,7 +140,7 @@ class KVMLM(HFLM):
         if unsupported:
             raise ValueError(f"kvm: model_args {sorted(unsupported)} are not supported for KVM models; drop them")
         dt = "auto" if dtype in (None, "auto") else get_dtype(dtype)
-        self._model = load_model(pretrained, dt, self._device, self._kvm)
+        self._model = load_model(pretrained, dt, self._device, self._kvm, self._budget)
 
     def _create_tokenizer(self, pretrained: Any, tokenizer: Any, **kwargs) -> None:
         from transformers import PreTrainedTokenizerBase

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import parse_kvm_arg
+from ..cli import parse_budget_arg, parse_kvm_arg
 from ..utils.cli import UsageError
 
 __all__ = ["MODEL_NAME", "main", "translate_args"]
@@ -22,7 +22,8 @@ MODEL_NAME = "kvm"
 
 def translate_args(argv: Sequence[str]) -> List[str]:
     """lm-eval arguments with kvmeans' conveniences: ``--model DIR`` -> ``--model kvm --model_args
-    pretrained=DIR``; ``--kvm SPEC`` -> ``--model_args kvm="SPEC"`` (checked here); no ``--model`` ->
+    pretrained=DIR``; ``--kvm SPEC`` -> ``--model_args kvm="SPEC"`` and ``--budget SPEC`` -> ``--model_args
+    budget=SPEC`` (checked here); no ``--model`` ->
     ``--model kvm``; ``ls`` / ``validate`` pass through."""
     argv = list(argv)
     if argv and argv[0] in ("ls", "validate"):
@@ -49,14 +50,19 @@ def translate_args(argv: Sequence[str]) -> List[str]:
                                  "(or an lm-eval model name such as kvm)")
             else:
                 out += ["--model", val]
-        elif name == "--kvm":
+        elif name in ("--kvm", "--budget"):
             if not eq:
                 if i + 1 >= len(rest):
-                    raise UsageError("--kvm needs a value, e.g. --kvm budget=fixed:128,chunk_len=32")
+                    raise UsageError(f"{name} needs a value, e.g. {name} " +
+                                     ("budget=fixed:128,chunk_len=32" if name == "--kvm" else "power_law:16:0.5:256"))
                 val = rest[i + 1]
                 i += 1
-            parse_kvm_arg(val)
-            out += ["--model_args", f'kvm="{val}"']
+            if name == "--kvm":
+                parse_kvm_arg(val)
+                out += ["--model_args", f'kvm="{val}"']
+            else:
+                parse_budget_arg(val)
+                out += ["--model_args", f"budget={val}"]
         else:
             out.append(a)
         i += 1
@@ -90,6 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "Runs lm-evaluation-harness (`lm-eval run`) with the `kvm` model type registered.\n"
               "  --model DIR        shorthand for --model kvm --model_args pretrained=DIR\n"
               "  --kvm SPEC         convert a plain transformers model folder after loading (kvmeans.parse_kvm_spec)\n"
+              "  --budget SPEC      KVM models: another state schedule than the saved one, e.g. power_law:16:0.5:256\n"
               "  --model_args ...   pretrained=DIR, dtype=float32, tokenizer=PATH, max_length=N, device=cpu\n"
               "  --include_path P   extra task YAMLs (e.g. local tasks, no download)\n"
               "All other options are lm-eval's: see `kvmeans eval lm-eval run --help`.\n"

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cli import (_load_tokenizer, _need_hf, add_kvm_argument, check_model_dir, kvm_settings, load_model,
-                   parse_kvm_arg)
+from ..cli import (_load_tokenizer, _need_hf, add_budget_argument, add_kvm_argument, check_model_dir, kvm_settings,
+                   load_model, parse_budget_arg, parse_kvm_arg)
 from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write_text
 from . import ruler
@@ -243,9 +243,11 @@ def main(argv: List[str]) -> int:
                                                "(default: results/niah/<model>-<timestamp>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_kvm_argument(p)
+    add_budget_argument(p)
     a = p.parse_args(argv)
     prog = "kvmeans eval niah"
     kvm = parse_kvm_arg(a.kvm)
+    budget = parse_budget_arg(a.budget)
     try:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
     except ValueError as err:
@@ -271,11 +273,12 @@ def main(argv: List[str]) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
     hf_logging.disable_progress_bar()
-    model = load_model(a.model, getattr(torch, dtype), device, kvm)
+    model = load_model(a.model, getattr(torch, dtype), device, kvm, budget)
     results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
                        a.max_new_tokens, progress=not a.no_progress)
     results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
-                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model)})
+                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model),
+                              "budget": a.budget})
     name = Path(os.path.abspath(a.model)).name or "model"
     out = Path(a.out) if a.out else Path("results") / "niah" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     write_results(results, out)

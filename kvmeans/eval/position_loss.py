@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..bench.report import write_csv
-from ..cli import add_kvm_argument, check_model_dir, kvm_settings, load_model, parse_kvm_arg
+from ..cli import (add_budget_argument, add_kvm_argument, check_model_dir, kvm_settings, load_model,
+                   parse_budget_arg, parse_kvm_arg)
 from ..train.data import TokenFile
 from ..utils.cli import check_device, check_out_dir, run_main
 from ..utils.io import atomic_write, atomic_write_text
@@ -305,6 +306,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"], default="float32")
     p.add_argument("--out", default="position-loss", help="output folder (default ./position-loss)")
     add_kvm_argument(p)
+    add_budget_argument(p)
     return p
 
 
@@ -313,6 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     prog = p.prog
     kvm = parse_kvm_arg(a.kvm)
+    budget = parse_budget_arg(a.budget)
     for name in ("ctx", "block", "batch_size", "segment", "logits_chunk"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -346,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"of {info['documents']}), ctx {a.ctx}, blocks of {a.block}, segments of {a.segment}")
     results = []
     for label, d in zip(labels, a.model):
-        model = load_model(d, dtype, a.device, kvm)
+        model = load_model(d, dtype, a.device, kvm, budget)
         try:
             results += evaluate_models([(label, d, model)], tf, spans, a.ctx, a.block, a.batch_size, a.segment,
                                        a.logits_chunk, a.device)
@@ -358,7 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config = {"data": str(tf.path), "tokenizer_id": tf.header.get("tokenizer_id"), "ctx": a.ctx, "block": a.block,
               "num_docs": len(spans), "selection": info, "max_docs": a.max_docs, "segment": a.segment,
               "logits_chunk": a.logits_chunk, "batch_size": a.batch_size, "dtype": a.dtype, "device": a.device,
-              "kvm": a.kvm, "doc_starts": [s for s, _ in spans], "loss": "nats; position i predicts token i+1"}
+              "kvm": a.kvm, "budget": a.budget, "doc_starts": [s for s, _ in spans],
+              "loss": "nats; position i predicts token i+1"}
     paths = write_outputs(a.out, results, config)
     print(format_table(results))
     print("wrote " + ", ".join(str(x) for x in paths.values()))

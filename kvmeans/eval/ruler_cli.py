@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..cli import (_load_tokenizer, _need_hf, add_kvm_argument, check_model_dir, kvm_settings, load_model,
-                   parse_kvm_arg)
+from ..cli import (_load_tokenizer, _need_hf, add_budget_argument, add_kvm_argument, check_model_dir, kvm_settings,
+                   load_model, parse_budget_arg, parse_kvm_arg)
 from ..utils.cli import check_device, check_out_dir
 from ..utils.io import atomic_write_text
 from . import ruler, ruler_tasks as rt
@@ -216,9 +216,11 @@ def main(argv: List[str]) -> int:
                                                "(default: results/ruler/<model>-<timestamp>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_kvm_argument(p)
+    add_budget_argument(p)
     a = p.parse_args(argv)
     prog = "kvmeans eval ruler"
     kvm = parse_kvm_arg(a.kvm)
+    budget = parse_budget_arg(a.budget)
     try:
         qa_data = {d.task: d for d in map(load_qa_data, a.qa_data)}
         if a.tasks is None:
@@ -248,11 +250,12 @@ def main(argv: List[str]) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
     hf_logging.disable_progress_bar()
-    model = load_model(a.model, getattr(torch, dtype), device, kvm)
+    model = load_model(a.model, getattr(torch, dtype), device, kvm, budget)
     results = run_ruler(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
                         a.max_new_tokens, qa_data, progress=not a.no_progress)
     results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
-                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model)})
+                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model),
+                              "budget": a.budget})
     name = Path(os.path.abspath(a.model)).name or "model"
     out = Path(a.out) if a.out else Path("results") / "ruler" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     write_results(results, out)

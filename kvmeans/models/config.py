@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from ..ops.budget import StateBudget
+from ..ops.budget import StateBudget, parse_budget_spec
 from ..ops.kvm import NUMERICS
 from ..utils.fields import check_field_types
 
@@ -270,3 +270,13 @@ def preset(name: str, **overrides) -> KVMModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
     return KVMModelConfig(**{**PRESETS[name], **overrides})
+
+
+def with_budget(config: KVMModelConfig, budget: Any) -> KVMModelConfig:
+    """``config`` with every KVM layer's budget replaced (a schedule change at load, no retraining): ``budget`` is
+    anything ``KVMModelConfig.budget`` takes or a spec ``N``, ``fixed:N``, ``saturating:N[:MIN_LEN]``,
+    ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``. ``ValueError`` when no layer is KVM."""
+    if "kvm" not in config.mixer_per_layer():
+        raise ValueError(f"budget override: the model has no KVM layer (layers {sorted(set(config.mixer_per_layer()))}); "
+                         "drop budget / --budget")
+    return dataclasses.replace(config, budget=parse_budget_spec(budget) if isinstance(budget, str) else budget)

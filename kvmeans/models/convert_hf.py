@@ -16,6 +16,7 @@ import torch
 
 from ..layers.hf_attention import convert_attention_layer
 from ..ops.budget import StateBudget, as_budget
+from ..ops.budget import parse_budget_spec as _parse_budget
 from ..ops.pretrained import ROPE_MODES
 
 CONFIG_KEY = "kvm_conversion"
@@ -79,24 +80,6 @@ class KVMSpec:
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
         return cls(**d)
-
-
-def _parse_budget(text: str) -> Union[StateBudget, int]:
-    kind, _, rest = text.partition(":")
-    args = [a for a in rest.split(":") if a]
-    try:
-        if kind.isdigit() and not rest:
-            return int(kind)
-        if kind == "fixed" and len(args) == 1:
-            return StateBudget.fixed(int(args[0]))
-        if kind == "saturating" and 1 <= len(args) <= 2:
-            return StateBudget.saturating(int(args[0]), *map(int, args[1:]))
-        if kind == "power_law" and 1 <= len(args) <= 3:
-            return StateBudget.power_law(float(args[0]), *(float(a) for a in args[1:2]), *map(int, args[2:]))
-    except ValueError:
-        pass
-    raise ValueError(f"budget {text!r} is not one of N, fixed:N, saturating:N[:MIN_LEN], "
-                     "power_law:FACTOR[:EXPONENT[:MIN_LEN]]")
 
 
 def _parse_layers(text: str) -> Union[str, list]:

@@ -30,6 +30,7 @@ positions decodes in one call per step (a ragged state, see :class:`KVMCache`). 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -49,7 +50,7 @@ try:  # spelled PreTrainedConfig since 5.0; the old alias is kept for safety
 except ImportError:  # pragma: no cover
     from transformers import PretrainedConfig as PreTrainedConfig
 
-from .config import KVMModelConfig
+from .config import KVMModelConfig, with_budget
 from ._reference_format import REFERENCE_MODEL_TYPE
 from .convert import (is_reference_checkpoint, load_reference_state_dict, map_reference_state_dict,
                       reference_config_to_ours, with_numerics)
@@ -274,12 +275,25 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         transformers 5 does for ours; pass ``dtype=torch.float32`` on CPU) and ``device_map`` (one device) apply.
         ``kvm_numerics``: ``"reference"`` (default for the authors' layout: their eager rounding points)
         or ``"exact"`` (kvmeans' numerics); for our layout it overrides what ``config.json`` records.
+        ``budget``: a state schedule for every KVM layer instead of the saved one (no retraining; see
+        :func:`~kvmeans.models.config.with_budget`: a ``StateBudget``, an int, its dict or a spec such as
+        ``"power_law:16:0.5:256"``); ``ValueError`` for a model with no KVM layer.
         """
         path = pretrained_model_name_or_path
         if not isinstance(kwargs.get("config"), PreTrainedConfig):
             cls._check_model_type(path, kwargs)
+        budget = kwargs.pop("budget", None)
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
-            return cls._from_reference(Path(path), **kwargs)
+            return cls._from_reference(Path(path), budget=budget, **kwargs)
+        if budget is not None:
+            config = kwargs.pop("config", None)
+            if not isinstance(config, PreTrainedConfig):
+                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+                config, kwargs = cls.config_class.from_pretrained(config or path, return_unused_kwargs=True, **kwargs)
+                kwargs.update(hub)          # the weights are fetched from the same place
+            config = copy.deepcopy(config)
+            config.budget = with_budget(config.to_model_config(), budget).budget
+            kwargs["config"] = config
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
         bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
@@ -300,13 +314,15 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _from_reference(cls, path: Path, dtype=None, torch_dtype=None, device_map=None, config=None,
-                        kvm_numerics=None, **ignored) -> "KVMForCausalLM":
+                        kvm_numerics=None, budget=None, **ignored) -> "KVMForCausalLM":
         raw = json.loads((path / "config.json").read_text())
         # a config built by AutoConfig from this directory (KVMReferenceConfig) carries the mapping and
         # any overrides given to AutoModelForCausalLM.from_pretrained (kvm_numerics="exact", ...)
         mc = config.to_model_config() if isinstance(config, KVMConfig) else reference_config_to_ours(raw)
         if kvm_numerics is not None:
             mc = with_numerics(mc, kvm_numerics)
+        if budget is not None:
+            mc = with_budget(mc, budget)
         sd = map_reference_state_dict(load_reference_state_dict(path), mc)
         hf_extra = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
         cfg = KVMConfig.from_model_config(mc, **hf_extra)

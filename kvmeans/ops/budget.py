@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-__all__ = ["StateBudget", "BudgetLike", "as_budget"]
+__all__ = ["StateBudget", "BudgetLike", "as_budget", "parse_budget_spec"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,23 @@ def as_budget(budget: BudgetLike) -> Callable[[int], int]:
     if callable(budget):
         return budget
     raise TypeError(f"budget must be a StateBudget, an int or a callable ctx_len -> rows, got {type(budget).__name__}")
+
+
+def parse_budget_spec(text: str) -> Union[StateBudget, int]:
+    """``N``, ``fixed:N``, ``saturating:N[:MIN_LEN]`` or ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]`` -> a budget
+    (a plain ``N`` stays an int); ``ValueError`` naming the forms otherwise."""
+    kind, _, rest = text.partition(":")
+    args = [a for a in rest.split(":") if a]
+    try:
+        if kind.isdigit() and not rest:
+            return int(kind)
+        if kind == "fixed" and len(args) == 1:
+            return StateBudget.fixed(int(args[0]))
+        if kind == "saturating" and 1 <= len(args) <= 2:
+            return StateBudget.saturating(int(args[0]), *map(int, args[1:]))
+        if kind == "power_law" and 1 <= len(args) <= 3:
+            return StateBudget.power_law(float(args[0]), *(float(a) for a in args[1:2]), *map(int, args[2:]))
+    except ValueError:
+        pass
+    raise ValueError(f"budget {text!r} is not one of N, fixed:N, saturating:N[:MIN_LEN], "
+                     "power_law:FACTOR[:EXPONENT[:MIN_LEN]]")
