@@ -31,3 +31,19 @@ def test_reconstruction_backward_runs_no_second_forward(budget, monkeypatch):
     assert forwards == [], "the backward ran the attention forward again"
     for name, a, b in zip(("q", "k", "v", "gate", *x), ref, grads):
         assert_close("d" + name, a, b, 1e-10)
+
+
+def test_auto_reconstructs_sooner_where_the_read_is_joined(monkeypatch):
+    """"auto" reconstructs past RECONSTRUCT_BYTES_JOINED where the CPU flash read applies (D == Dv), and keeps the
+    graph up to RECONSTRUCT_BYTES where it does not (Dv != D)."""
+    import kvmeans.ops.chunk_reconstruct as rec
+    calls, real = [], rec._Reconstruct.apply
+    monkeypatch.setattr(rec._Reconstruct, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(chunk_mod, "RECONSTRUCT_BYTES_JOINED", 0)
+    for Dv, reconstructs in ((8, True), (6, False)):
+        calls.clear()
+        x = make_inputs(T=24, Dv=Dv, requires_grad=True)
+        y = kvm_attention(x.pop("q"), x.pop("k"), x.pop("v"), x.pop("gate"), **x, chunk_len=4, budget=4,
+                          backend="chunked")
+        y.sum().backward()
+        assert bool(calls) == reconstructs
