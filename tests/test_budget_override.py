@@ -143,3 +143,21 @@ def test_lm_eval_budget_argument(tmp_path):
          "--tasks", "x"]
     with pytest.raises(UsageError, match="--budget: budget 'x' is not one of"):
         lm_eval_cli.translate_args(["--budget", "x"])
+
+
+def test_demo_schedule_swap_script_evaluates_one_model_under_every_schedule():
+    import importlib.util
+    from pathlib import Path
+
+    from kvmeans.demo import demo_settings
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_schedule_swap.py"
+    spec = importlib.util.spec_from_file_location("demo_schedule_swap", path)
+    swap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(swap)
+    s = {**demo_settings(), "steps": 1, "batch": 2, "eval_samples": 1, "multiples": (1, 4), "decode_tokens": 1}
+    rows = swap.run("kvm-fixed", 0, s)
+    got = {(r["schedule"], r["length"]): r["state_rows"] for r in rows}
+    assert got == {(name, t): [rows_after(b, t, s["chunk_len"], s["window_chunks"])] * s["num_layers"]
+                   for name, b in swap.SCHEDULES.items() for t in (128, 512)}
+    assert got[("fixed-16", 512)] == [16, 16] and got[("2*sqrt(N)", 512)][0] > 16
+    assert "KVM fixed  2*sqrt(N)" in swap.table(rows + [{**r, "model": "kvm-sqrt"} for r in rows], [128, 512])
