@@ -35,6 +35,8 @@ class KVMSpec:
     ``pre_rope_fixed`` reads state rows (None: twice the window span, ``2 * n_bswa_chunks * chunk_len``,
     measured better than the span itself on SmolLM2, docs/pretrained.md);
     ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation);
+    ``novel_rows``: at a full budget each block that leaves the window gives its most novel tokens this many
+    rows of their own, freed by merging the most similar pairs of rows (``kvmeans.ops.pretrained_routing``);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.layers.hf_attention.add_learned_parameters``), initialised to the training-free read.
     """
@@ -45,6 +47,7 @@ class KVMSpec:
     rope_mode: str = "pre_rope_fixed"
     rope_distance: Optional[int] = None
     log_count_bias: bool = True
+    novel_rows: int = 0
     learned: bool = False
 
     def __post_init__(self):
@@ -57,6 +60,8 @@ class KVMSpec:
             raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
         if self.rope_distance is not None and self.rope_distance < 0:
             raise ValueError(f"rope_distance must be >= 0 (or None for twice the window span), got {self.rope_distance}")
+        if not 0 <= self.novel_rows <= self.chunk_len:
+            raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
 
     @property
     def state_budget(self):

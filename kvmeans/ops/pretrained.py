@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .budget import BudgetLike, as_budget
+from .pretrained_routing import merge_closest_pairs, route_novel
 from .routing import route_overflow
 from .schedule import bswa_begin, plan_updates
 
@@ -99,9 +100,10 @@ def _cat(a: Optional[Tensor], b: Tensor) -> Tensor:
 
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
-             n_bswa_chunks: int, sink_len: int) -> None:
+             n_bswa_chunks: int, sink_len: int, novel_rows: int = 0) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
-    the window (``schedule.plan_updates``: appends on the budget, the rest merged by cosine argmax)."""
+    the window (``schedule.plan_updates``: appends on the budget, the rest merged by cosine argmax; with
+    ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.ops.pretrained_routing``)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
@@ -121,12 +123,19 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         blk = slice(step.start - base, step.start - base + chunk_len)
         bk, bv = skeys[..., blk, :].to(acc), st.buf_v[..., blk, :].to(acc)
         sel = F.normalize(bk, dim=-1)
-        dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, step.n_append, sink_len)
+        n_new = step.n_append
+        if n_new < novel_rows and st.num_rows - sink_len > 2 * novel_rows:
+            st.key_sum, st.value_sum, st.count = merge_closest_pairs(st.key_sum, st.value_sum, st.count,
+                                                                     novel_rows - n_new, sink_len)
+            n_new = novel_rows
+            dest = route_novel(st.key_sum, sel, n_new, sink_len)
+        else:
+            dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, n_new, sink_len)
         ones = torch.ones_like(dest, dtype=st.count.dtype)
         if gate is not None:
             g = gate[..., blk, :]
             bk, bv, ones = bk * g, bv * g, g.squeeze(-1)
-        pad = (0, 0, 0, max(step.n_append, 0))
+        pad = (0, 0, 0, max(n_new, 0))
         st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
         st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
         st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, ones)
@@ -142,7 +151,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
                             sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
-                            log_count_bias: bool = True, merge_gate: Optional[Tensor] = None,
+                            log_count_bias: bool = True, novel_rows: int = 0, merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
                             state_temp: Optional[Tensor] = None, window_temp: Optional[Tensor] = None) -> Tensor:
     """Continue ``state`` by ``T`` tokens and return their attention output ``[B, H, T, Dv]``.
@@ -150,7 +159,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     ``q [B, H, T, D]`` and ``k [B, Hkv, T, D]`` as the model rotated them (post-RoPE), ``v [B, Hkv, T, Dv]``;
     ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
     ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
-    absolute position, so any split of a sequence (prefill + decode) gives the same result.
+    absolute position, so any split of a sequence (prefill + decode) gives the same result. ``novel_rows``:
+    novelty-preserving routing at a full budget (``kvmeans.ops.pretrained_routing``; 0: KVM's routing).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -183,7 +193,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     c0, c1 = start // C, -(-(start + T) // C)
     rows = []                                      # the state each chunk of queries reads (tensors are not
     for c in range(c0, c1):                        # updated in place, so these are snapshots)
-        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len)
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows)
         rows.append(None if state.count is None else (state.key_sum, state.value_sum, state.count))
     # every chunk at once: queries padded to whole chunks, window = the L positions ending at the chunk's end
     nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)
