@@ -161,3 +161,13 @@ def test_demo_schedule_swap_script_evaluates_one_model_under_every_schedule():
                    for name, b in swap.SCHEDULES.items() for t in (128, 512)}
     assert got[("fixed-16", 512)] == [16, 16] and got[("2*sqrt(N)", 512)][0] > 16
     assert "KVM fixed  2*sqrt(N)" in swap.table(rows + [{**r, "model": "kvm-sqrt"} for r in rows], [128, 512])
+
+
+@pytest.mark.parametrize("budget", ["power_law:4:0.5:8", {"kind": "power_law", "factor": 4.0, "min_len": 8}])
+def test_auto_class_override_is_normalised_and_saves(tmp_path, budget):
+    from transformers import AutoModelForCausalLM
+    path, _ = saved(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path, budget=budget)
+    assert model.config.budget == {"kind": "power_law", "factor": 4.0, "min_len": 8}
+    model.save_pretrained(tmp_path / "again")
+    assert KVMForCausalLM.from_pretrained(tmp_path / "again").config.budget == model.config.budget

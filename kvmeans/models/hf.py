@@ -283,6 +283,9 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         if not isinstance(kwargs.get("config"), PreTrainedConfig):
             cls._check_model_type(path, kwargs)
         budget = kwargs.pop("budget", None)
+        given = kwargs.get("config")
+        if budget is None and isinstance(given, KVMConfig) and not isinstance(given.budget, dict):
+            budget = given.budget       # AutoModelForCausalLM.from_pretrained(dir, budget=...) set it as given
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
             return cls._from_reference(Path(path), budget=budget, **kwargs)
         if budget is not None:
@@ -292,7 +295,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
                 config, kwargs = cls.config_class.from_pretrained(config or path, return_unused_kwargs=True, **kwargs)
                 kwargs.update(hub)          # the weights are fetched from the same place
             config = copy.deepcopy(config)
-            config.budget = with_budget(config.to_model_config(), budget).budget
+            kept = KVMModelConfig(**{name: getattr(config, name) for name in _FIELDS if name != "budget"})
+            config.budget = with_budget(kept, budget).budget
             kwargs["config"] = config
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
