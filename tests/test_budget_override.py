@@ -143,6 +143,14 @@ def test_lm_eval_budget_argument(tmp_path):
          "--tasks", "x"]
     with pytest.raises(UsageError, match="--budget: budget 'x' is not one of"):
         lm_eval_cli.translate_args(["--budget", "x"])
+    pytest.importorskip("lm_eval")
+    from kvmeans.eval.harness import KVMLM
+    from kvmeans.train.tokenizers import gpt2_hf_tokenizer, save_tokenizer
+    save_tokenizer(gpt2_hf_tokenizer(), path)
+    lm = KVMLM(pretrained=str(path), budget="power_law:4:0.5:8", device="cpu")
+    assert lm.model.config.budget == {"kind": "power_law", "factor": 4.0, "min_len": 8}
+    with pytest.raises(ValueError, match="budget= applies when loading a model directory"):
+        KVMLM(pretrained=lm.model, budget=64)
 
 
 def test_demo_schedule_swap_script_evaluates_one_model_under_every_schedule():

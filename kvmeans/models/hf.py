@@ -288,16 +288,14 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             budget = given.budget       # AutoModelForCausalLM.from_pretrained(dir, budget=...) set it as given
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
             return cls._from_reference(Path(path), budget=budget, **kwargs)
-        if budget is not None:
-            config = kwargs.pop("config", None)
-            if not isinstance(config, PreTrainedConfig):
-                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-                config, kwargs = cls.config_class.from_pretrained(config or path, return_unused_kwargs=True, **kwargs)
-                kwargs.update(hub)          # the weights are fetched from the same place
-            config = copy.deepcopy(config)
-            kept = KVMModelConfig(**{name: getattr(config, name) for name in _FIELDS if name != "budget"})
-            config.budget = with_budget(kept, budget).budget
-            kwargs["config"] = config
+        if isinstance(given, PreTrainedConfig) and budget is not None:
+            kept = KVMModelConfig(**{name: getattr(given, name) for name in _FIELDS if name != "budget"})
+            kwargs["config"] = copy.deepcopy(given)
+            kwargs["config"].budget = with_budget(kept, budget).budget
+        elif budget is not None:            # transformers sets it on the config it reads (as kvm_numerics)
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            raw = PreTrainedConfig.get_config_dict(given or path, **hub)[0]
+            kwargs["budget"] = with_budget(KVMConfig(**raw).to_model_config(), budget).budget
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
         bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
