@@ -1,6 +1,7 @@
 """Public entry point ``kvm_attention``: validates inputs and dispatches to a path."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -9,6 +10,10 @@ import torch
 from torch import Tensor
 
 from .budget import BudgetLike, StateBudget, as_budget
+from .chunk import chunk_kvm_attention
+from .naive import naive_kvm_attention
+from .ragged import ragged_kvm_attention, split_call
+from .recurrent import recurrent_kvm_attention
 from .state import KVMState
 
 BACKENDS = ("auto", "naive", "chunked", "recurrent", "triton")
@@ -71,17 +76,13 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         it, which are NaN (:mod:`kvmeans.ops.masking`). Buffers are sized by the tokens present, not by
         ``chunk_len`` / ``n_bswa_chunks``.
     """
-    call = dict(locals())               # the arguments as given, for a ragged state's split_call
+    # the arguments as given, for a ragged state's split_call
+    call = dict(locals()) if isinstance(initial_state, KVMState) and initial_state.schedule is not None else None
     B, H, T, D, Hkv, Dv = _check_tensors(q, k, v)
     gate = _check_gate(gate, q, B, Hkv, T)
-    _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend)
-    _check_numerics(numerics)
-    state_norm_eps = _positive_real("state_norm_eps", state_norm_eps)
-    scale = 1.0 / math.sqrt(D) if scale is None else _positive_real("scale", scale)
-    value_radius, return_state, gate_keys, gate_values, gate_appends = (_flag(name, x) for name, x in (
-        ("value_radius", value_radius), ("return_state", return_state), ("gate_keys", gate_keys),
-        ("gate_values", gate_values), ("gate_appends", gate_appends)))
-    budget_fn = as_budget(budget)
+    state_norm_eps, scale, value_radius, return_state, gate_keys, gate_values, gate_appends, budget_fn = _scalars(
+        D, chunk_len, n_bswa_chunks, sink_len, rope_dim, backend, numerics, state_norm_eps, scale, value_radius,
+        return_state, gate_keys, gate_values, gate_appends, budget)
     compute = torch.float32 if q.dtype in HALF else q.dtype
     if numerics == "reference":         # the authors' eager code computes in the model dtype
         compute = q.dtype
@@ -117,7 +118,6 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
     if state.schedule is not None:      # a ragged batch (rows at different positions): kvmeans.ops.ragged
         if T > 1 or needs_grad or numerics == "reference" or backend not in ("auto", "recurrent"):
-            from .ragged import split_call
             return split_call(kvm_attention, call)
         backend = "ragged"
     if backend == "auto":
@@ -125,27 +125,22 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     if backend == "recurrent" and needs_grad and numerics != "reference":
         raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
                          "backend='chunked' or call it under torch.no_grad()")
-    args = [t.to(compute) for t in (q, k, v, gate)]
+    args = [_cast(t, compute) for t in (q, k, v, gate)]
     if attn == "triton" and numerics != "reference":
         kwargs["attn"] = attn
     if numerics == "mixed" and q.dtype in HALF and backend == "chunked":
         kwargs["mma_dtype"] = q.dtype
     if numerics == "reference":
         from .reference_numerics import reference_kvm_attention as impl
-    elif backend == "ragged":
-        from .ragged import ragged_kvm_attention as impl
-    elif backend == "naive":
-        from .naive import naive_kvm_attention as impl
-    elif backend == "chunked":
-        from .chunk import chunk_kvm_attention as impl
     else:
-        from .recurrent import recurrent_kvm_attention as impl
+        impl = {"ragged": ragged_kvm_attention, "naive": naive_kvm_attention,
+                "chunked": chunk_kvm_attention}.get(backend, recurrent_kvm_attention)
     y, new_state = impl(*args, state, **kwargs)
     if new_state is not state:          # the carried state object is a cache: advance it in place
         if initial_state is not None:
             initial_state.__dict__.update(new_state.__dict__)
             new_state = initial_state
-    y = y.to(q.dtype)
+    y = _cast(y, q.dtype)
     return (y, new_state) if return_state else y
 
 
@@ -178,30 +173,31 @@ def _check_tensors(q, k, v):
         if t.is_meta:
             raise ValueError(f"{name} is a meta tensor (shape only, no data); kvm_attention needs real tensors: "
                              f"materialise the model first (e.g. module.to_empty(device=...) and load weights)")
+    dtype, device = q.dtype, q.device
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast q, k, v to one dtype")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put q, k, v on one device")
-    B, H, T, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
-    if k.shape[2] != T or v.shape[2] != T:
-        raise ValueError(f"sequence lengths differ: q has T={T}, k has {k.shape[2]}, v has {v.shape[2]}; "
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {dtype}; cast q, k, v to one dtype")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; put q, k, v on one device")
+    (B, H, T, D), (kB, Hkv, kT, kD), (vB, vH, vT, Dv) = q.shape, k.shape, v.shape
+    if kB != B or vB != B:
+        raise ValueError(f"batch sizes differ: q {B}, k {kB}, v {vB}")
+    if kT != T or vT != T:
+        raise ValueError(f"sequence lengths differ: q has T={T}, k has {kT}, v has {vT}; "
                          f"q, k, v must cover the same tokens")
-    if k.shape[3] != D:
-        raise ValueError(f"k has head dim {k.shape[3]} but q has {D}; q and k must share D")
-    Hkv = k.shape[1]
-    for name, size in (("B (batch)", B), ("H (q heads)", H), ("Hkv (kv heads)", Hkv), ("D (head dim)", D),
-                       ("Dv (value dim)", v.shape[3])):
-        if size == 0:
-            raise ValueError(f"{name} is 0 (q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}); only the "
-                             f"sequence length T may be 0")
-    if v.shape[1] != Hkv:
-        raise ValueError(f"v has {v.shape[1]} heads but k has {Hkv}; k and v must have the same Hkv")
-    if Hkv == 0 or H % Hkv:
+    if kD != D:
+        raise ValueError(f"k has head dim {kD} but q has {D}; q and k must share D")
+    if not (B and H and Hkv and D and Dv):
+        for name, size in (("B (batch)", B), ("H (q heads)", H), ("Hkv (kv heads)", Hkv), ("D (head dim)", D),
+                           ("Dv (value dim)", Dv)):
+            if size == 0:
+                raise ValueError(f"{name} is 0 (q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}); only "
+                                 f"the sequence length T may be 0")
+    if vH != Hkv:
+        raise ValueError(f"v has {vH} heads but k has {Hkv}; k and v must have the same Hkv")
+    if H % Hkv:
         raise ValueError(f"q has H={H} heads, not a multiple of k's Hkv={Hkv} (GQA needs H % Hkv == 0)")
-    return B, H, T, D, Hkv, v.shape[3]
+    return B, H, T, D, Hkv, Dv
 
 
 def _check_gate(gate, q, B, Hkv, T):
@@ -216,6 +212,42 @@ def _check_gate(gate, q, B, Hkv, T):
     if gate.device != q.device:
         raise ValueError(f"gate is on {gate.device} but q is on {q.device}")
     return gate
+
+
+def _check_scalars(D, chunk_len, n_bswa_chunks, sink_len, rope_dim, backend, numerics, state_norm_eps, scale,
+                   value_radius, return_state, gate_keys, gate_values, gate_appends, budget):
+    """Check the scalar settings; ``(state_norm_eps, scale, value_radius, return_state, gate_keys, gate_values,
+    gate_appends, budget_fn)`` as the op uses them."""
+    _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend)
+    _check_numerics(numerics)
+    state_norm_eps = _positive_real("state_norm_eps", state_norm_eps)
+    scale = 1.0 / math.sqrt(D) if scale is None else _positive_real("scale", scale)
+    flags = (_flag(name, x) for name, x in (("value_radius", value_radius), ("return_state", return_state),
+                                            ("gate_keys", gate_keys), ("gate_values", gate_values),
+                                            ("gate_appends", gate_appends)))
+    return (state_norm_eps, scale, *flags, as_budget(budget))
+
+
+# keyed by each value and its type (1, 1.0 and True are three keys); only a setting that passed is stored, so a
+# refused one is checked, and refused, on every call
+_checked_scalars = functools.lru_cache(maxsize=256, typed=True)(_check_scalars)
+
+
+def _scalars(*args):
+    """:func:`_check_scalars` once per distinct setting (a decode step re-checks nothing); the budget returned is
+    the one given (``StateBudget.fixed(n)`` for an int ``n``), never an equal one from an earlier call."""
+    try:
+        checked = _checked_scalars(*args)
+    except TypeError:               # an unhashable setting (or a refused one: checked again below, it raises)
+        checked = None
+    if checked is None:
+        checked = _check_scalars(*args)
+    budget = args[-1]
+    return checked if isinstance(budget, int) else (*checked[:-1], budget)
+
+
+def _cast(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _check_config(chunk_len, n_bswa_chunks, sink_len, rope_dim, D, backend):
@@ -270,12 +302,20 @@ def _check_budget_against_state(budget, state, chunk_len):
                              f"shrinks: use budget={floor} or more")
 
 
+@functools.lru_cache(maxsize=64)
+def _ones(size, dtype, device):
+    """The default temperatures ``ones(size)``, one read-only tensor per (size, dtype, device); made outside
+    inference mode so that a later call under autograd may use it."""
+    with torch.inference_mode(False):
+        return torch.ones(size, dtype=dtype, device=device)
+
+
 def _check_vec(t, name, size, q, dtype):
     if t is None:
-        return None if dtype is None else torch.ones(size, dtype=dtype, device=q.device)
+        return None if dtype is None else _ones(size, dtype, q.device)
     if not isinstance(t, Tensor) or tuple(t.shape) != (size,):
         shape = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a tensor of shape [{size}], got {shape}")
     if t.device != q.device:
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    return t if dtype is None else t.to(dtype)
+    return t if dtype is None else _cast(t, dtype)
