@@ -100,11 +100,12 @@ def test_errors(tmp_path):
         load_model(str(path), torch.float32, "cpu", budget=64)
     with pytest.raises(ValueError, match="not one of N, fixed:N"):
         with_budget(KVMModelConfig(**TINY), "sqrt:16")
-    # a budget below the chunk length: the op's error at the first forward
+    # a budget below the chunk length: the op's error, at load (one line from the CLI)
     path, _ = saved(tmp_path / "k")
-    model = KVMForCausalLM.from_pretrained(path, budget=4)
-    with pytest.raises(ValueError, match="would shrink the state below the initial state of chunk_len=8"):
-        model(torch.ones(1, 20, dtype=torch.long))
+    with pytest.raises(ValueError, match="fixed 4 rows would shrink the state below the initial state of chunk_len=8"):
+        KVMForCausalLM.from_pretrained(path, budget=4)
+    with pytest.raises(UsageError, match="--model .*: budget override: fixed 4 rows"):
+        load_model(str(path), torch.float32, "cpu", budget=4)
 
 
 def test_cli_budget_is_applied_and_recorded(tmp_path, capsys):

@@ -275,8 +275,14 @@ def preset(name: str, **overrides) -> KVMModelConfig:
 def with_budget(config: KVMModelConfig, budget: Any) -> KVMModelConfig:
     """``config`` with every KVM layer's budget replaced (a schedule change at load, no retraining): ``budget`` is
     anything ``KVMModelConfig.budget`` takes or a spec ``N``, ``fixed:N``, ``saturating:N[:MIN_LEN]``,
-    ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``. ``ValueError`` when no layer is KVM."""
+    ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``. ``ValueError`` when no layer is KVM or a fixed budget is below
+    ``chunk_len``."""
     if "kvm" not in config.mixer_per_layer():
         raise ValueError(f"budget override: the model has no KVM layer (layers {sorted(set(config.mixer_per_layer()))}); "
                          "drop budget / --budget")
-    return dataclasses.replace(config, budget=parse_budget_spec(budget) if isinstance(budget, str) else budget)
+    out = dataclasses.replace(config, budget=parse_budget_spec(budget) if isinstance(budget, str) else budget)
+    b = out.state_budget()
+    if isinstance(b, StateBudget) and b.kind == "fixed" and b.n < config.chunk_len:   # the op's check, at load
+        raise ValueError(f"budget override: fixed {b.n} rows would shrink the state below the initial state of "
+                         f"chunk_len={config.chunk_len} rows; use at least {config.chunk_len}")
+    return out
