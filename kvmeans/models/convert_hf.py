@@ -32,8 +32,8 @@ class KVMSpec:
     ``budget``: state rows (``StateBudget`` or int); ``chunk_len``/``n_bswa_chunks``: the exact window
     keeps the current and the n-1 previous chunks; ``sink_len``: leading rows never merged into;
     ``rope_mode``: see ``kvmeans.ops.pretrained``; ``rope_distance``: the relative position at which
-    ``pre_rope_fixed`` reads state rows (None: twice the window span, ``2 * n_bswa_chunks * chunk_len``,
-    measured better than the span itself on SmolLM2, docs/pretrained.md);
+    ``pre_rope_fixed`` reads state rows (None: three times the window span, ``3 * n_bswa_chunks * chunk_len``,
+    measured better than 1, 2 and 4 spans on SmolLM2, docs/pretrained.md);
     ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation);
     ``novel_rows``: at a full budget each block that leaves the window gives its most novel tokens this many
     rows of their own, freed by merging the most similar pairs of rows (``kvmeans.ops.pretrained_routing``);
@@ -59,7 +59,7 @@ class KVMSpec:
         if self.rope_mode not in ROPE_MODES:
             raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
         if self.rope_distance is not None and self.rope_distance < 0:
-            raise ValueError(f"rope_distance must be >= 0 (or None for twice the window span), got {self.rope_distance}")
+            raise ValueError(f"rope_distance must be >= 0 (or None for three times the window span), got {self.rope_distance}")
         if not 0 <= self.novel_rows <= self.chunk_len:
             raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
 
@@ -72,7 +72,7 @@ class KVMSpec:
         """Read distance of ``pre_rope_fixed``; ``split`` is the same read at distance 0."""
         if self.rope_mode == "split":
             return 0
-        return 2 * self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
+        return 3 * self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
