@@ -120,3 +120,54 @@ def test_cli_writes_table_csv_json(model, texts, tmp_path, capsys):
     assert (out / "ppl.csv").read_text().splitlines()[0].startswith("arm,ppl,kept_keys")
     with pytest.raises(SystemExit):
         main(["ppl", "--model", str(tmp_path / "missing")])
+
+
+def _saved_converted(model, tmp_path):
+    """A tiny Llama saved after convert_hf (a window of 8 tokens, so 64-token windows leave it)."""
+    import kvmeans
+    from kvmeans.train.tokenizers import gpt2_hf_tokenizer
+    model_dir = tmp_path / "conv"
+    tiny = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "vocab_size": 50257})).eval()
+    with torch.no_grad():                  # sharper attention than random init, so dropping keys shows
+        for layer in tiny.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+    kvmeans.convert_hf(tiny, budget=4, chunk_len=4, n_bswa_chunks=2, sink_len=1)
+    tiny.save_pretrained(model_dir)
+    gpt2_hf_tokenizer().save_pretrained(model_dir)
+    return model_dir
+
+
+def test_cli_runs_a_saved_conversion_as_its_own_arm(model, texts, tmp_path):
+    """A converted folder is not silently measured unconverted: ``kvm:saved`` runs its conversion (the ppl of
+    load_converted on the same windows), ``full`` its weights unconverted."""
+    import kvmeans
+    from kvmeans.eval.cli import main
+    from transformers import AutoModelForCausalLM
+    model_dir = _saved_converted(model, tmp_path)
+    out = tmp_path / "out"
+    assert main(["ppl", "--model", str(model_dir), "--length", "64", "--windows", "2", "--arms", "full",
+                 "--text", *map(str, texts), "--out", str(out)]) == 0
+    data = json.loads((out / "ppl.json").read_text())
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert list(rows) == ["full", "kvm:saved"] and rows["kvm:saved"]["kept_keys"] == 4 + 8
+    assert data["settings"]["kvm_conversion"]["budget"] == 4
+    from kvmeans.train.tokenizers import gpt2_hf_tokenizer
+    windows = pp.text_windows(gpt2_hf_tokenizer(), [str(t) for t in texts], 2, 64, 0)
+    conv = kvmeans.load_converted(model_dir).eval()
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert rows["kvm:saved"]["ppl"] == pytest.approx(pp.perplexity(conv, windows), rel=1e-6)
+    assert rows["full"]["ppl"] == pytest.approx(pp.perplexity(plain, windows), rel=1e-6)
+    assert rows["full"]["ppl"] != pytest.approx(rows["kvm:saved"]["ppl"], rel=1e-5)   # ~4e-4 apart here
+
+
+def test_cli_refuses_kvm_on_a_converted_folder_and_native_folders(model, tmp_path, capsys):
+    from kvmeans.eval.cli import main
+    from kvmeans.models.hf import KVMConfig, KVMForCausalLM
+    model_dir = _saved_converted(model, tmp_path)
+    assert main(["ppl", "--model", str(model_dir), "--kvm", "budget=8"]) == 2
+    assert "converted already" in capsys.readouterr().err
+    native = tmp_path / "native"
+    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, chunk_len=4,
+                             budget=4)).save_pretrained(native)
+    assert main(["ppl", "--model", str(native)]) == 2
+    assert "KVM-native" in capsys.readouterr().err

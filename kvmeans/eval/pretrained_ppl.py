@@ -12,7 +12,9 @@ kept keys: token t attends to the first ``S`` tokens and the last ``W`` tokens u
 attention mask over the plain model; positions stay the tokens' own, as in a cache that evicts
 post-RoPE keys); ``--kvm SPEC`` adds the arm ``kvm``, a copy of the model converted with
 :func:`kvmeans.convert_hf` (kept keys: its state budget at ``length`` plus the ``n_bswa_chunks * chunk_len``
-window); any other model passed to :func:`evaluate`. Perplexity is
+window); a folder saved from a converted or distilled model adds the arm ``kvm:saved`` (its own conversion,
+learned parameters included), its weights running unconverted in the other arms; any other model passed to
+:func:`evaluate`. Perplexity is
 ``exp`` of the mean next-token NLL over all predicted tokens (``length - 1`` per window).
 
 Outputs under ``--out`` (atomic): ``ppl.csv`` and ``ppl.json`` (rows plus settings and environment).
@@ -158,6 +160,33 @@ def _kvm_arm(model, kvm: dict, length: int) -> Arm:
     return Arm("kvm", conv, kept_keys=as_budget(spec.budget)(length) + spec.n_bswa_chunks * spec.chunk_len)
 
 
+def _saved_conversion(model_dir: str, kvm: Optional[dict]) -> Optional[dict]:
+    """``kvm_conversion`` of a folder saved from a converted (or distilled) model, else None. The plain arms then
+    run its weights unconverted and the arm ``kvm:saved`` the saved conversion; a KVM-native folder is refused."""
+    import json
+
+    from ..models.convert import REFERENCE_MODEL_TYPE
+    from ..models.convert_hf import CONFIG_KEY
+    from ..models.hf import KVMConfig
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    if raw.get("model_type") in (KVMConfig.model_type, REFERENCE_MODEL_TYPE):
+        raise UsageError(f"--model {model_dir} is a KVM-native model; eval ppl compares attention arms of a plain "
+                         "transformers model (use `kvmeans eval position-loss` for KVM-native models)")
+    if raw.get(CONFIG_KEY) and kvm is not None:
+        raise UsageError(f"--kvm: {model_dir} is converted already (config.json {CONFIG_KEY}: the arm kvm:saved "
+                         "runs it); drop --kvm")
+    return raw.get(CONFIG_KEY) or None
+
+
+def _saved_arm(model_dir: str, saved: dict, length: int) -> Arm:
+    """The arm ``kvm:saved``: the folder's own conversion (learned parameters included) via ``load_converted``."""
+    from ..models.convert_hf import KVMSpec, load_converted
+    from ..ops.budget import as_budget
+    spec = KVMSpec.from_dict({k: v for k, v in saved.items() if k != "layers"})
+    conv = load_converted(model_dir, dtype=torch.float32).eval()
+    return Arm("kvm:saved", conv, kept_keys=as_budget(spec.budget)(length) + spec.n_bswa_chunks * spec.chunk_len)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmeans eval ppl", description="Perplexity of an HF causal LM over windows of "
                                 "long real text: full attention vs StreamingLLM (sinks + window), same windows")
@@ -187,6 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model {a.model}: no config.json there; give an HF model folder "
                 "(`kvmeans models fetch smollm2-135m` prints one)")
+    saved = _saved_conversion(a.model, kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -203,6 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     arms = [Arm(name, model, sinks, window) for name, sinks, window in specs]
     if kvm is not None:
         arms.append(_kvm_arm(model, kvm, a.length))
+    if saved is not None:
+        arms.append(_saved_arm(a.model, saved, a.length))
     info = env_info()
     print(format_env(info), flush=True)
     rows = evaluate(arms, windows, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -212,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.out:
         settings = {"model": a.model, "length": a.length, "windows": a.windows, "seed": a.seed,
                     "source": a.text or "shakespeare", "arms": a.arms, "kvm": a.kvm,
-                    "kvm_conversion": arms[-1].model.config.kvm_conversion if kvm is not None else None}
+                    "kvm_conversion": arms[-1].model.config.kvm_conversion if kvm or saved else None}
         write_csv(Path(a.out) / "ppl.csv", list(rows[0]), rows)
         write_json(Path(a.out) / "ppl.json", {"settings": settings, "env": info, "rows": rows})
         print(f"wrote {Path(a.out) / 'ppl.csv'} and ppl.json")
