@@ -140,6 +140,19 @@ def test_save_and_load_converted_round_trip(tmp_path):
         load_converted(tmp_path / "plain")
 
 
+
+@torch.no_grad()
+def test_saved_read_distance_survives_a_new_default(tmp_path, monkeypatch):
+    """The default read distance is stored resolved: a model saved at today's default reloads at it even when the
+    default changes (a distilled model's learned read-out was fit at that distance)."""
+    model = convert_hf(tiny("llama"), **SMALL)
+    assert model.config.kvm_conversion["rope_distance"] == KVMSpec(**SMALL).distance
+    model.save_pretrained(tmp_path)
+    monkeypatch.setattr(KVMSpec, "distance", property(lambda self: 5 if self.rope_distance is None else self.rope_distance))
+    loaded = load_converted(tmp_path)
+    x = ids(90)
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+
 def test_gemma_sliding_layers_keep_their_window():
     model = convert_hf(tiny("gemma3"), **SMALL)
     assert model.config.kvm_conversion["layers"] == [1]

@@ -190,6 +190,9 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
         raise ValueError(f"{family} rotates q/k: rope_mode='none' would mix rotated keys unknowingly; "
                          "use pre_rope_fixed, post_rope or split")
     spec = KVMSpec(**settings)
+    if spec.rope_mode == "pre_rope_fixed" and spec.rope_distance is None:
+        # stored resolved, so a saved model reloads at the distance it was converted (or distilled) with
+        spec = dataclasses.replace(spec, rope_distance=spec.distance)
     if spec.rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
         raise ValueError(f"rope_mode={spec.rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
                          "by the sequence length) does not have; use rope_mode='post_rope'")
