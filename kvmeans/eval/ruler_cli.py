@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ..cli import (_load_tokenizer, _need_hf, add_budget_argument, add_kvm_argument, check_model_dir, kvm_settings,
-                   load_model, parse_budget_arg, parse_kvm_arg)
-from ..utils.cli import check_device, check_out_dir
+from ..cli import _load_tokenizer, parse_budget_arg, parse_kvm_arg
 from ..utils.io import atomic_write_text
 from . import ruler, ruler_tasks as rt
-from .niah import _col, _generate, _progress
+from .niah import (_col, _generate, _progress, add_output_arguments, add_run_arguments, check_run_arguments,
+                   load_run_model, run_out_dir)
 from .ruler_tasks.qa import QAData, load_qa_data
 
 __all__ = ["run_ruler", "averages", "format_table", "write_results", "main"]
@@ -201,12 +200,7 @@ def main(argv: List[str]) -> int:
                         "HotpotQA hotpot_dev_distractor_v1.json (qa_2), told apart by their contents")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096],
                    help="total lengths in tokens: prompt + the task's generated tokens (default: 4096)")
-    p.add_argument("--samples", type=int, default=500, help="samples per (task, length) (RULER: 500)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
-    p.add_argument("--seed", type=int, default=ruler.DEFAULT_SEED, help="RULER's random seed (default 42)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto (default): bfloat16 on cuda, float32 on cpu")
+    add_run_arguments(p)
     p.add_argument("--haystack-file", default=None,
                    help="essay haystack for the essay NIAH tasks: RULER's PaulGrahamEssays.json or a .txt; "
                         "default: the built-in Shakespeare distractor corpus (not comparable with the paper)")
@@ -214,9 +208,7 @@ def main(argv: List[str]) -> int:
                    help="cap on generated tokens (default: each task's RULER budget; fewer only for smoke tests)")
     p.add_argument("--out", default=None, help="folder for ruler.json and ruler.csv "
                                                "(default: results/ruler/<model>-<timestamp>)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_kvm_argument(p)
-    add_budget_argument(p)
+    add_output_arguments(p)
     a = p.parse_args(argv)
     prog = "kvmeans eval ruler"
     kvm = parse_kvm_arg(a.kvm)
@@ -228,15 +220,8 @@ def main(argv: List[str]) -> int:
         _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens, qa_data)
     except ValueError as err:
         p.error(str(err))
-    check_model_dir(a.model)
-    if a.device is not None:
-        check_device("--device", a.device)
-    if a.out is not None:
-        check_out_dir("--out", a.out)
-    if not _need_hf("eval ruler", extra="eval"):
+    if not check_run_arguments(a, "eval ruler"):
         return 2
-    import torch
-    from transformers.utils import logging as hf_logging
 
     try:
         tok = _load_tokenizer(a.model)
@@ -247,17 +232,11 @@ def main(argv: List[str]) -> int:
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
-    hf_logging.disable_progress_bar()
-    model = load_model(a.model, getattr(torch, dtype), device, kvm, budget)
+    model, run_config = load_run_model(a, kvm, budget)
     results = run_ruler(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
                         a.max_new_tokens, qa_data, progress=not a.no_progress)
-    results["config"].update({"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype,
-                              "kvm": a.kvm, "kvm_conversion": kvm_settings(model),
-                              "budget": a.budget})
-    name = Path(os.path.abspath(a.model)).name or "model"
-    out = Path(a.out) if a.out else Path("results") / "ruler" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results["config"].update(run_config)
+    out = run_out_dir(a, "ruler")
     write_results(results, out)
     print(format_table(results))
     print(f"results: {out}{os.sep}ruler.json, ruler.csv" if a.out else f"results (default folder): {out}")
