@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..utils.rows import split_selection
 from .cache import ModelCache
 
 __all__ = ["KVMCache", "KVMCacheLayer", "format_bytes"]
@@ -384,19 +385,9 @@ class KVMCache(Cache):
                     g.cache = g.cache.index_select(src)
             g.rows = torch.arange(len(src))
         else:
-            owner: Dict[int, Tuple[int, int]] = {}
-            for gi, g in enumerate(self.groups):
-                for p, r in enumerate(g.rows.tolist()):
-                    owner[r] = (gi, p)
-            picks: Dict[int, Tuple[List[int], List[int]]] = {}
-            for j, r in enumerate(src.tolist()):
-                gi, p = owner[r]
-                picks.setdefault(gi, ([], []))[0].append(j)
-                picks[gi][1].append(p)
             self.groups = [
-                _Group(torch.tensor(js), None if self.groups[gi].cache is None
-                       else self.groups[gi].cache.index_select(torch.tensor(ps)))
-                for gi, (js, ps) in sorted(picks.items())]
+                _Group(js, None if self.groups[gi].cache is None else self.groups[gi].cache.index_select(ps))
+                for gi, js, ps in split_selection([g.rows for g in self.groups], src)]
         self.lengths = self.lengths[src]
 
     # ---- inspection ----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..utils.rows import split_selection
 from .pretrained import ConvertedKVMState
 
 # keyword tensors of the attention function given per row and token: name -> axis of the tokens (rows: axis 0)
@@ -173,17 +174,8 @@ class ConvertedBatchState:
         if len(self.parts) == 1 and self.parts[0][0] is None:
             self.parts[0][1].index_select(idx)
             return
-        owner = {}
-        for p, (rows, _) in enumerate(self.parts):
-            for local, r in enumerate(rows.tolist()):
-                owner[r] = (p, local)
-        picks: Dict[int, Tuple[List[int], List[int]]] = {}
-        for j, r in enumerate(idx.tolist()):
-            p, local = owner[r]
-            picks.setdefault(p, ([], []))[0].append(j)
-            picks[p][1].append(local)
-        self.parts = [(torch.tensor(js), self.parts[p][1].copy().index_select(torch.tensor(ls)))
-                      for p, (js, ls) in sorted(picks.items())]
+        self.parts = [(js, self.parts[p][1].copy().index_select(ls))
+                      for p, js, ls in split_selection([rows for rows, _ in self.parts], idx)]
         if len(self.parts) == 1:                       # every row from one part: one batch again
             self.parts = [(None, self.parts[0][1])]
 
