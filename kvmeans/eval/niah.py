@@ -94,7 +94,8 @@ def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_t
 
 
 def _haystack_for(tasks: Sequence[str], haystack_file: Optional[str]) -> Optional[ruler.EssayHaystack]:
-    if not any(ruler.TASKS[t]["type_haystack"] == "essay" for t in tasks):
+    """The essay haystack (``haystack_file`` or the built-in one) when a NIAH task in ``tasks`` reads it, else None."""
+    if not any(ruler.NIAH_TASKS.get(t, {}).get("type_haystack") == "essay" for t in tasks):
         return None
     return ruler.load_haystack(haystack_file) if haystack_file else ruler.builtin_haystack()
 
@@ -112,6 +113,28 @@ def _check_args(tasks, lengths, samples, batch_size, max_new_tokens):
     if not 1 <= max_new_tokens <= ruler.TOKENS_TO_GENERATE:
         raise ValueError(f"--max-new-tokens must be in 1..{ruler.TOKENS_TO_GENERATE} (the budget reserves "
                          f"{ruler.TOKENS_TO_GENERATE}), got {max_new_tokens}")
+
+
+BUILTIN_HAYSTACK_NOTE = ("* essay haystack = kvmeans' built-in Shakespeare distractor corpus, NOT RULER's Paul Graham "
+                         "essays: not comparable with the paper (use --haystack-file)")
+
+
+def prompt_ids(tokenizer, recs: List[Dict[str, Any]], task: str, length: int, budget: int):
+    """``(ids, n_tokens)`` of each sample's prompt (input + answer prefix, no special tokens); an error if one
+    leaves fewer than ``budget`` of ``length`` tokens for the answer."""
+    ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
+    n_tok = [len(x) for x in ids]
+    over = [i for i, n in enumerate(n_tok) if n + budget > length]
+    if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
+        raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
+                           f"over the budget {length} - {budget}")
+    return ids, n_tok
+
+
+def aligned_rows(rows: List[List[str]]) -> List[str]:
+    """Table rows as lines: first column left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
 
 
 def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), lengths: Sequence[int] = (4096,),
@@ -143,12 +166,7 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
                 recs = ruler.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay)
                 if bar is not None:
                     bar.set_description(f"{ruler.TASK_LABELS[task]} {length}")
-                ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
-                n_tok = [len(x) for x in ids]
-                over = [i for i, n in enumerate(n_tok) if n + ruler.TOKENS_TO_GENERATE > length]
-                if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
-                    raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
-                                       f"over the budget {length} - {ruler.TOKENS_TO_GENERATE}")
+                ids, n_tok = prompt_ids(tokenizer, recs, task, length, ruler.TOKENS_TO_GENERATE)
                 preds = _generate(model, tokenizer, ids, batch_size, max_new_tokens, bar)
                 score, fractions = ruler.string_match_all(preds, [r["outputs"] for r in recs])
                 scores.append({"task": task, "label": ruler.TASK_LABELS[task], "length": length, "samples": len(recs),
@@ -193,30 +211,29 @@ def format_table(results: Dict[str, Any]) -> str:
         got = [v for v in vals if v is not None]
         rows.append([label] + ["-" if v is None else f"{v:.2f}" for v in vals] +
                     [f"{sum(got) / len(got):.2f}" if got else "-"])
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-
-    def fmt(r):
-        return "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
-
-    lines = [fmt(head)] + [fmt(r) for r in rows]
+    lines = aligned_rows([head] + rows)
     n = {s["samples"] for s in results["scores"]}
     lines.append(f"RULER string_match_all x100, {'/'.join(map(str, sorted(n)))} samples per cell, greedy")
     if builtin and any(r[0].endswith("*") for r in rows):
-        lines.append("* essay haystack = kvmeans' built-in Shakespeare distractor corpus, NOT RULER's Paul Graham "
-                     "essays: not comparable with the paper (use --haystack-file)")
+        lines.append(BUILTIN_HAYSTACK_NOTE)
     return "\n".join(lines)
 
 
 def write_results(results: Dict[str, Any], out: os.PathLike) -> Path:
     """Write ``niah.json`` and ``niah.csv`` (``task,length,samples,score``) atomically into ``out``."""
+    return write_json_and_csv(out, "niah", results, ["task", "length", "samples", "score"],
+                              [[s["task"], s["length"], s["samples"], f"{s['score']:.2f}"] for s in results["scores"]])
+
+
+def write_json_and_csv(out: os.PathLike, stem: str, results: Dict[str, Any], header: List[str], rows) -> Path:
+    """``<stem>.json`` (the whole results dict) and ``<stem>.csv`` (``header`` + ``rows``), atomically, into ``out``."""
     d = Path(out)
-    atomic_write_text(d / "niah.json", json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    atomic_write_text(d / f"{stem}.json", json.dumps(results, indent=1, ensure_ascii=False) + "\n")
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["task", "length", "samples", "score"])
-    for s in results["scores"]:
-        w.writerow([s["task"], s["length"], s["samples"], f"{s['score']:.2f}"])
-    atomic_write_text(d / "niah.csv", buf.getvalue())
+    w.writerow(header)
+    w.writerows(rows)
+    atomic_write_text(d / f"{stem}.csv", buf.getvalue())
     return d
 
 
@@ -291,7 +308,6 @@ def main(argv: List[str]) -> int:
         p.error(str(err))
     if not check_run_arguments(a, "eval niah"):
         return 2
-
     try:
         tok = _load_tokenizer(a.model)
         hay = _haystack_for(a.tasks, a.haystack_file)

@@ -17,10 +17,7 @@ predictions) and ``ruler.csv`` (``task,length,samples,metric,score``; one ``rule
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
-import io
-import json
 import os
 import sys
 import time
@@ -28,17 +25,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..cli import _load_tokenizer, parse_budget_arg, parse_kvm_arg
-from ..utils.io import atomic_write_text
 from . import ruler, ruler_tasks as rt
-from .niah import (_col, _generate, _progress, add_output_arguments, add_run_arguments, check_run_arguments,
-                   load_run_model, run_out_dir)
+from .niah import (BUILTIN_HAYSTACK_NOTE, _col, _generate, _haystack_for, _progress, add_output_arguments,
+                   add_run_arguments, aligned_rows, check_run_arguments, load_run_model, prompt_ids, run_out_dir,
+                   write_json_and_csv)
 from .ruler_tasks.qa import QAData, load_qa_data
 
 __all__ = ["run_ruler", "averages", "format_table", "write_results", "main"]
-
-
-def _essay_tasks(tasks: Sequence[str]) -> bool:
-    return any(ruler.NIAH_TASKS.get(t, {}).get("type_haystack") == "essay" for t in tasks)
 
 
 def _check_args(tasks, lengths, samples, batch_size, max_new_tokens, qa_data=None):
@@ -70,8 +63,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengt
     """
     tasks, lengths = list(dict.fromkeys(tasks)), [int(n) for n in lengths]
     _check_args(tasks, lengths, samples, batch_size, max_new_tokens, qa_data)
-    hay = (ruler.load_haystack(haystack_file) if haystack_file else ruler.builtin_haystack()) \
-        if _essay_tasks(tasks) else None
+    hay = _haystack_for(tasks, haystack_file)
     bar = _progress(len(tasks) * len(lengths) * samples, progress)
     scores, per_sample = [], []
     t0 = time.perf_counter()
@@ -84,12 +76,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengt
                 recs = rt.generate_samples(task, length, samples, tokenizer, seed=seed, haystack=hay, qa_data=qa_data)
                 if bar is not None:
                     bar.set_description(f"{rt.LABELS[task]} {length}")
-                ids = [tokenizer(r["input"] + r["answer_prefix"], add_special_tokens=False)["input_ids"] for r in recs]
-                n_tok = [len(x) for x in ids]
-                over = [i for i, n in enumerate(n_tok) if n + budget > length]
-                if over:   # the generator measured these very prompts: a tokenizer that is not deterministic?
-                    raise RuntimeError(f"{task} @ {length}: sample {over[0]} has {n_tok[over[0]]} prompt tokens, "
-                                       f"over the budget {length} - {budget}")
+                ids, n_tok = prompt_ids(tokenizer, recs, task, length, budget)
                 new = budget if max_new_tokens is None else min(budget, max_new_tokens)
                 preds = _generate(model, tokenizer, ids, batch_size, new, bar)
                 score, per = rt.score(task, preds, [r["outputs"] for r in recs])
@@ -154,37 +141,24 @@ def format_table(results: Dict[str, Any]) -> str:
         rows.append(row(rt.LABELS[task] + ("*" if builtin and essay else ""), [cell.get((task, n)) for n in lengths]))
     avg = {a["length"]: a for a in results["averages"]}
     rows.append(row("RULER avg", [avg[n]["score"] for n in lengths]))
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-
-    def fmt(r):
-        return "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
-
-    lines = [fmt(head)] + [fmt(r) for r in rows[:-1]] + ["-" * len(fmt(head)), fmt(rows[-1])]
+    table = aligned_rows([head] + rows)
+    lines = table[:-1] + ["-" * len(table[0]), table[-1]]   # the average row under a rule
     n = {s["samples"] for s in results["scores"]}
     lines.append(f"RULER metrics x100 (string_match_all; QA: string_match_part), "
                  f"{'/'.join(map(str, sorted(n)))} samples per cell, greedy")
     for text in dict.fromkeys(_coverage(a) for a in results["averages"]):
         lines.append(f"RULER avg over {text}")
     if builtin and any(r[0].endswith("*") for r in rows):
-        lines.append("* essay haystack = kvmeans' built-in Shakespeare distractor corpus, NOT RULER's Paul Graham "
-                     "essays: not comparable with the paper (use --haystack-file)")
+        lines.append(BUILTIN_HAYSTACK_NOTE)
     return "\n".join(lines)
 
 
 def write_results(results: Dict[str, Any], out: os.PathLike) -> Path:
     """Write ``ruler.json`` and ``ruler.csv`` (``task,length,samples,metric,score`` + ``ruler_avg`` rows) atomically."""
-    d = Path(out)
-    atomic_write_text(d / "ruler.json", json.dumps(results, indent=1, ensure_ascii=False) + "\n")
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["task", "length", "samples", "metric", "score"])
-    for s in results["scores"]:
-        w.writerow([s["task"], s["length"], s["samples"], s["metric"], f"{s['score']:.2f}"])
-    for a in results["averages"]:
-        w.writerow(["ruler_avg", a["length"], "", f"mean of {a['n_tasks']}/{len(rt.RULER_TASKS)} tasks: "
-                    + " ".join(a["tasks"]), f"{a['score']:.2f}"])
-    atomic_write_text(d / "ruler.csv", buf.getvalue())
-    return d
+    rows = [[s["task"], s["length"], s["samples"], s["metric"], f"{s['score']:.2f}"] for s in results["scores"]]
+    rows += [["ruler_avg", a["length"], "", f"mean of {a['n_tasks']}/{len(rt.RULER_TASKS)} tasks: "
+              + " ".join(a["tasks"]), f"{a['score']:.2f}"] for a in results["averages"]]
+    return write_json_and_csv(out, "ruler", results, ["task", "length", "samples", "metric", "score"], rows)
 
 
 def main(argv: List[str]) -> int:
@@ -222,11 +196,9 @@ def main(argv: List[str]) -> int:
         p.error(str(err))
     if not check_run_arguments(a, "eval ruler"):
         return 2
-
     try:
         tok = _load_tokenizer(a.model)
-        hay = (ruler.load_haystack(a.haystack_file) if a.haystack_file else ruler.builtin_haystack()) \
-            if _essay_tasks(a.tasks) else None
+        hay = _haystack_for(a.tasks, a.haystack_file)
         for task in dict.fromkeys(a.tasks):   # fail fast (before loading the model) on lengths too small
             rt.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay, qa_data=qa_data)
     except (ValueError, FileNotFoundError, ImportError) as err:
