@@ -20,16 +20,16 @@ def greedy(m, ids, n):
     return m.generate(ids, max_new_tokens=n, **GREEDY)
 
 
-def count_rollbacks(monkeypatch):
-    """Spy on KVMCache.crop: a list of (columns before, columns after) of crops that removed tokens."""
-    seen, crop = [], KVMCache.crop
+def count_rollbacks(monkeypatch, cache_cls=KVMCache):
+    """Spy on ``cache_cls.crop``: a list of (columns before, columns after) of crops that removed tokens."""
+    seen, crop = [], cache_cls.crop
 
-    def spy(self, max_length):
+    def spy(self, amount):
         before = self.get_seq_length()
-        crop(self, max_length)
+        crop(self, amount)
         if self.get_seq_length() < before:
             seen.append((before, self.get_seq_length()))
-    monkeypatch.setattr(KVMCache, "crop", spy)
+    monkeypatch.setattr(cache_cls, "crop", spy)
     return seen
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 tf = pytest.importorskip("transformers")
-from test_assisted import draft_tokens  # noqa: E402
+from test_assisted import count_rollbacks, draft_tokens  # noqa: E402
 from test_convert_hf import FAMILIES, SMALL, V, tiny  # noqa: E402
 from test_eval_kvm_flag import _lm_eval, _niah, llama_dir  # noqa: E402,F401  (llama_dir: a fixture)
 
@@ -140,26 +140,13 @@ def test_what_crop_keeps_stays_bounded_and_the_last_call_can_be_undone():
                                rtol=0, atol=1e-5)
 
 
-def rollback_spy(monkeypatch):
-    """(columns before, after) of every crop of a converted layer that removed tokens."""
-    seen, crop = [], KVMCacheLayer.crop
-
-    def spy(self, tokens_to_remove):
-        before = self.get_seq_length()
-        crop(self, tokens_to_remove)
-        if self.get_seq_length() < before:
-            seen.append((before, self.get_seq_length()))
-    monkeypatch.setattr(KVMCacheLayer, "crop", spy)
-    return seen
-
-
 @torch.no_grad()
 def test_assisted_decoding_with_a_converted_draft_equals_greedy(monkeypatch):
     model = convert_hf(tiny("llama"), **SMALL)
     x = torch.randint(1, V, (1, 45), generator=torch.Generator().manual_seed(2))
     want = model.generate(x, max_new_tokens=30, **GREEDY)
     draft = draft_tokens(convert_hf(tiny("llama", seed=7), **SMALL), 5)
-    seen = rollback_spy(monkeypatch)
+    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
     out = model.generate(x, max_new_tokens=30, assistant_model=draft, **GREEDY)
     assert torch.equal(out, want)
     assert any(a // 8 != b // 8 for a, b in seen), seen           # some rollbacks crossed a chunk boundary
@@ -170,7 +157,7 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(monkeypatch):
     model = convert_hf(tiny("llama"), **SMALL)
     x = torch.arange(1, 12).repeat(4)[None]                        # 44 tokens: a phrase four times
     want = model.generate(x, max_new_tokens=30, **GREEDY)
-    seen = rollback_spy(monkeypatch)
+    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
     out = model.generate(x, max_new_tokens=30, prompt_lookup_num_tokens=5, **GREEDY)
     assert torch.equal(out, want)
     assert seen                                                    # some lookups were wrong and undone
