@@ -2,8 +2,9 @@
 
 Query chunk ``c`` (positions ``[c*C, (c+1)*C)``) attends to
 
-* the first ``rows[c - c_first]`` rows of its *own* state snapshot, already read out
-  (``LN_s`` keys, radius-scaled values), scores scaled by ``state_temp[h] * scale``;
+* the first ``rows[b, kv head, c - c_first]`` rows of its *own* state snapshot (a count per batch row and kv
+  head: a data-dependent budget grows heads apart), already read out (``LN_s`` keys, radius-scaled values),
+  scores scaled by ``state_temp[h] * scale``;
 * the window keys at positions ``[(c+1-n)*C, (c+1)*C)`` that exist (``>= k_start``), causally
   (key position <= query position), scores scaled by ``bswa_temp[h] * scale``;
 
@@ -123,7 +124,7 @@ def _dkv_step(k, v, q, do, lse, delta, scale, valid_t, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=_POS_ARGS)
 def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
                 s_qb, s_qh, s_qt, s_ob, s_oh, s_ot,
-                s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm,
+                s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm, s_rb, s_rh,
                 s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
                 HKV, D, DV, NK, TQ, q_start, q_lo, q_hi, k_start, ca, C, NB, sm_scale,
                 REP: tl.constexpr, HAS_STATE: tl.constexpr, PREC: tl.constexpr,
@@ -143,7 +144,7 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if HAS_STATE:
         st = tl.load(STEMP + head, mask=ok, other=0.0).to(tl.float32) * log2_scale
-        n_rows = tl.load(ROWS + g)
+        n_rows = tl.load(ROWS + b * s_rb + kvh * s_rh + g)
         sk = SK + b * s_kb + g * s_kg + kvh * s_kh
         sv = SV + b * s_vb + g * s_vg + kvh * s_vh
         for start in range(0, n_rows, BLOCK_N):
@@ -173,7 +174,7 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
 @triton.jit(do_not_specialize=_POS_ARGS)
 def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS, TW,
                    s_qb, s_qh, s_qt, s_ob, s_oh, s_ot,
-                   s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm,
+                   s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm, s_rb, s_rh,
                    s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
                    HKV, D, DV, NK, TQ, q_start, q_lo, q_hi, k_start, ca, C, NB, sm_scale,
                    REP: tl.constexpr, HAS_STATE: tl.constexpr, PREC: tl.constexpr,
@@ -195,7 +196,7 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
     st = tl.zeros([BLOCK_M], tl.float32)
     if HAS_STATE:
         st = tl.load(STEMP + head, mask=ok, other=0.0).to(tl.float32)
-        n_rows = tl.load(ROWS + g)
+        n_rows = tl.load(ROWS + b * s_rb + kvh * s_rh + g)
         sk = SK + b * s_kb + g * s_kg + kvh * s_kh
         sv = SV + b * s_vb + g * s_vg + kvh * s_vh
         for start in range(0, n_rows, BLOCK_N):
@@ -225,16 +226,16 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
 @triton.jit(do_not_specialize=_POS_ARGS)
 def _bwd_dkv_state_kernel(Q, SK, SV, ROWS, STEMP, DO, LSE, DELTA, DSK, DSV,
                           s_qb, s_qh, s_qt, s_ob, s_oh, s_ot,
-                          s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm,
+                          s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm, s_rb, s_rh,
                           HKV, D, DV, TQ, q_start, q_lo, q_hi, ca, C, sm_scale,
                           REP: tl.constexpr, PREC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """d(state keys / values) of snapshot g, read by chunk ``ca + g``'s queries of all REP heads.
-    DSK / DSV are contiguous like SK / SV (same strides); rows past ``ROWS[g]`` are left untouched (zeros)."""
+    DSK / DSV are contiguous like SK / SV (same strides); rows past ``ROWS[b, kvh, g]`` are left untouched (zeros)."""
     pid_n, g, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_rows = tl.load(ROWS + g)
+    b, kvh = bh // HKV, bh % HKV
+    n_rows = tl.load(ROWS + b * s_rb + kvh * s_rh + g)
     if pid_n * BLOCK_N < n_rows:
-        b, kvh = bh // HKV, bh % HKV
         c = ca + g
         offs_d, offs_dv, offs_m = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_M)
         dmask, dvmask = offs_d < D, offs_dv < DV
@@ -357,11 +358,11 @@ def _fwd(q, sk, sv, rows, wk, wv, state_temp, bswa_temp, geo):
     o = q.new_zeros(B, H, TQ, DV)
     lse = torch.zeros(B, H, TQ, dtype=torch.float32, device=q.device)
     has_state = sk is not None
-    ssk, ssv = (sk.stride(), sv.stride()) if has_state else ((0,) * 5, (0,) * 5)
+    ssk, ssv, srow = (sk.stride(), sv.stride(), rows.stride()) if has_state else ((0,) * 5, (0,) * 5, (0,) * 3)
     grid = lambda META: (triton.cdiv(REP * C, META["BLOCK_M"]), G, B * Hkv)
     _launch("fwd", grid, q, sk if has_state else q, sv if has_state else q, rows if has_state else q, wk, wv,
             state_temp if has_state else bswa_temp, bswa_temp, o, lse,
-            *q.stride()[:3], *o.stride()[:3], *ssk[:4], *ssv[:4], *wk.stride()[:3], *wv.stride()[:3],
+            *q.stride()[:3], *o.stride()[:3], *ssk[:4], *ssv[:4], *srow[:2], *wk.stride()[:3], *wv.stride()[:3],
             Hkv, D, DV, wk.shape[2], TQ, q_start, q_lo, q_hi, k_start, ca, C, NB, scale,
             REP=REP, HAS_STATE=has_state, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV))
     return o, lse
@@ -398,11 +399,12 @@ class ChunkAttention(torch.autograd.Function):
         dq = torch.zeros_like(q)
         ts = torch.zeros(B, H, TQ, dtype=torch.float32, device=q.device)
         tw = torch.zeros_like(ts)
-        ssk, ssv = (sk.stride(), sv.stride()) if has_state else ((0,) * 5, (0,) * 5)
+        ssk, ssv, srow = (sk.stride(), sv.stride(), rows.stride()) if has_state else ((0,) * 5, (0,) * 5, (0,) * 3)
         grid = lambda META: (triton.cdiv(REP * C, META["BLOCK_M"]), G, B * Hkv)
         _launch("dq", grid, q, sk if has_state else q, sv if has_state else q, rows if has_state else q, wk, wv,
                 state_temp if has_state else bswa_temp, bswa_temp, do, lse, delta, dq, ts, tw,
-                *q.stride()[:3], *do.stride()[:3], *ssk[:4], *ssv[:4], *wk.stride()[:3], *wv.stride()[:3],
+                *q.stride()[:3], *do.stride()[:3], *ssk[:4], *ssv[:4], *srow[:2], *wk.stride()[:3],
+                *wv.stride()[:3],
                 Hkv, D, DV, wk.shape[2], TQ, q_start, q_lo, q_hi, k_start, ca, C, NB, scale,
                 REP=REP, HAS_STATE=has_state, PREC=prec, BLOCK_D=bd, BLOCK_DV=bdv)
         dwk, dwv = torch.zeros_like(wk), torch.zeros_like(wv)
@@ -418,7 +420,7 @@ class ChunkAttention(torch.autograd.Function):
             assert dsk.stride() == sk.stride() and dsv.stride() == sv.stride()
             grid = lambda META: (triton.cdiv(sk.shape[3], META["BLOCK_N"]), G, B * Hkv)
             _launch("dkv_state", grid, q, sk, sv, rows, state_temp, do, lse, delta, dsk, dsv,
-                    *q.stride()[:3], *do.stride()[:3], *sk.stride()[:4], *sv.stride()[:4],
+                    *q.stride()[:3], *do.stride()[:3], *sk.stride()[:4], *sv.stride()[:4], *rows.stride()[:2],
                     Hkv, D, DV, TQ, q_start, q_lo, q_hi, ca, C, scale,
                     REP=REP, PREC=prec, BLOCK_D=bd, BLOCK_DV=bdv)
             dst = ts.sum((0, 2)).to(state_temp.dtype)
@@ -436,7 +438,10 @@ def chunk_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Optio
         q: ``[B, H, TQ, D]``, row t at position ``q_start + t``; rows outside ``[q_lo, q_hi)`` get output 0.
         state_keys, state_values: ``[B, G, Hkv, M, D|Dv]`` read-out state snapshot of each query chunk
             ``c = q_lo // C + g`` (``LN_s`` keys without temperature, radius-scaled values), or None
-            (no chunk sees a state); ``rows [G]`` int32 on q's device: rows visible to each chunk (0 = none).
+            (no chunk sees a state).
+        rows: rows of its snapshot each chunk sees (0 = none; the rest are never read), ``[G]`` (the same for
+            every batch row and kv head) or ``[B, Hkv, G]`` (per batch row and kv head: states whose row count
+            differs per head), integers; None without snapshots.
         window_keys, window_values: ``[B, Hkv, N, D|Dv]``, row t is the token at position ``k_start + t``.
         state_temp, bswa_temp: ``[H]`` inverse temperatures; scale: softmax scale.
         saved: ``(o, lse2)`` from :func:`chunk_attention_fwd` on the same inputs: returned as the output
@@ -445,13 +450,9 @@ def chunk_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Optio
         ``o [B, H, TQ, Dv]`` (and the natural-log LSE ``[B, H, TQ]`` fp32 with ``return_lse``).
         Differentiable in q, the snapshots, the window keys / values and both temperatures.
     """
-    q, state_keys, state_values, window_keys, window_values = (
-        _last_dim_contiguous(t) for t in (q, state_keys, state_values, window_keys, window_values))
-    if state_keys is not None and rows is None:
-        raise ValueError("rows is required with state snapshots")
-    if rows is not None:
-        rows = rows.to(device=q.device, dtype=torch.int32)
-    geo = (int(q_start), int(q_lo), int(q_hi), int(k_start), int(chunk_len), int(n_bswa_chunks), float(scale))
+    q, state_keys, state_values, rows, window_keys, window_values, geo = _operands(
+        q, state_keys, state_values, rows, window_keys, window_values, q_start, q_lo, q_hi, k_start, chunk_len,
+        n_bswa_chunks, scale)
     o, lse = ChunkAttention.apply(q, state_keys, state_values, window_keys, window_values,
                                   state_temp.contiguous(), bswa_temp.contiguous(), rows, geo, saved)
     return (o, lse * math.log(2.0)) if return_lse else o
@@ -462,10 +463,28 @@ def chunk_attention_fwd(q, state_keys, state_values, rows, window_keys, window_v
                         q_start, q_lo, q_hi, k_start, chunk_len, n_bswa_chunks, scale):
     """The forward kernel only (arguments as :func:`chunk_attention`): ``(o, lse2)`` with the base-2 LSE
     ``[B, H, TQ]`` fp32 that ``chunk_attention(..., saved=(o, lse2))`` takes."""
-    q, state_keys, state_values, window_keys, window_values = (
-        _last_dim_contiguous(t) for t in (q, state_keys, state_values, window_keys, window_values))
-    if rows is not None:
-        rows = rows.to(device=q.device, dtype=torch.int32)
-    geo = (int(q_start), int(q_lo), int(q_hi), int(k_start), int(chunk_len), int(n_bswa_chunks), float(scale))
+    q, state_keys, state_values, rows, window_keys, window_values, geo = _operands(
+        q, state_keys, state_values, rows, window_keys, window_values, q_start, q_lo, q_hi, k_start, chunk_len,
+        n_bswa_chunks, scale)
     return _fwd(q, state_keys, state_values, rows, window_keys, window_values, state_temp.contiguous(),
                 bswa_temp.contiguous(), geo)
+
+
+def _operands(q, state_keys, state_values, rows, window_keys, window_values, *geo):
+    """The kernels' operands: last dims contiguous, ``rows`` an int32 ``[B, Hkv, G]`` view (``[G]`` broadcast with
+    stride 0) or None without snapshots, and the geometry as a tuple of Python numbers."""
+    q, state_keys, state_values, window_keys, window_values = (
+        _last_dim_contiguous(t) for t in (q, state_keys, state_values, window_keys, window_values))
+    if state_keys is None:
+        rows = None
+    elif rows is None:
+        raise ValueError("rows is required with state snapshots: pass the rows each chunk sees, [G] or [B, Hkv, G]")
+    else:
+        B, G, Hkv = state_keys.shape[:3]
+        if tuple(rows.shape) not in ((G,), (B, Hkv, G)):
+            raise ValueError(f"rows has shape {tuple(rows.shape)}; pass [G] = [{G}] or [B, Hkv, G] = [{B}, {Hkv}, {G}] "
+                             f"(G query chunks, like state_keys [B, G, Hkv, M, D])")
+        rows = rows.to(device=q.device, dtype=torch.int32).contiguous().expand(B, Hkv, G)
+    q_start, q_lo, q_hi, k_start, chunk_len, n_bswa_chunks, scale = geo
+    geo = (int(q_start), int(q_lo), int(q_hi), int(k_start), int(chunk_len), int(n_bswa_chunks), float(scale))
+    return q, state_keys, state_values, rows, window_keys, window_values, geo

@@ -7,7 +7,7 @@ tokens of the window (the recurrent path writes them there first), so the causal
 window length.
 
 CUDA-graph friendly: the active state rows and the window length are read from device int32 tensors
-(``lengths = [rows, window_len]``), not Python ints, so one compiled kernel with fixed buffer pointers
+(``lengths = [rows, window_len]``, one pair or one per batch row or per (batch row, kv head)), not Python ints, so one compiled kernel with fixed buffer pointers
 serves every step between chunk-boundary updates (the buffers are the state's preallocated ones; rows
 ``>= lengths[0]`` and window slots ``>= lengths[1]`` are never read). A state that is not active yet
 (``window_start == 0``) is ``lengths[0] = 0``: no separate kernel variant. The recurrent path passes one
@@ -30,7 +30,7 @@ INTERPRET_META = {"BLOCK_N": 16}
 
 
 @triton.jit
-def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, STEMP, BTEMP, O,
+def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, s_lh, STEMP, BTEMP, O,
                    s_qb, s_qh, s_qt, s_ob, s_oh, s_ot, s_kb, s_kh, s_km, s_vb, s_vh, s_vm,
                    s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
                    HKV, D, DV, T, sm_scale,
@@ -49,8 +49,8 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, STEMP, BTEMP, O,
     log2_scale = sm_scale * 1.4426950408889634
     st = tl.load(STEMP + head, mask=ok, other=0.0).to(tl.float32) * log2_scale
     bt = tl.load(BTEMP + head, mask=ok, other=0.0).to(tl.float32) * log2_scale
-    n_rows = tl.load(LENGTHS + b * s_lb)
-    w_len = tl.load(LENGTHS + b * s_lb + 1)
+    n_rows = tl.load(LENGTHS + b * s_lb + kvh * s_lh)
+    w_len = tl.load(LENGTHS + b * s_lb + kvh * s_lh + 1)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -88,8 +88,9 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
         state_keys, state_values: ``[B, Hkv, >= rows, D|Dv]`` read-out state (``LN_s`` keys, radius-scaled
             values; the recurrent path's readout cache), or None while the state is inactive.
         window_keys, window_values: ``[B, Hkv, capacity, D|Dv]`` window buffers (slot 0 = window start).
-        lengths: int32 ``[2]`` on q's device: ``[rows visible (0 while inactive), window length]``, or ``[B, 2]``
-            per batch row (a ragged batch, :mod:`kvmeans.ops.ragged`).
+        lengths: int32 ``[2]`` on q's device: ``[rows visible (0 while inactive), window length]``, ``[B, 2]``
+            per batch row (a ragged batch, :mod:`kvmeans.ops.ragged`) or ``[B, Hkv, 2]`` per batch row and kv
+            head (row counts that differ per head: a data-dependent budget).
         state_temp, bswa_temp: ``[H]``; scale: softmax scale; out: optional preallocated output.
     """
     B, H, t, D = q.shape
@@ -103,8 +104,8 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
         out = q.new_empty(B, H, t, DV)
     block_m = min(64, _pow2(REP * t))
     grid = lambda META: (triton.cdiv(REP * t, block_m), B * Hkv)
-    args = (q, state_keys, state_values, window_keys, window_values, lengths,
-            lengths.stride(0) if lengths.dim() == 2 else 0, state_temp, bswa_temp, out,
+    args = (q, state_keys, state_values, window_keys, window_values, lengths, *_length_strides(lengths, B, Hkv),
+            state_temp, bswa_temp, out,
             *q.stride()[:3], *out.stride()[:3], *state_keys.stride()[:3], *state_values.stride()[:3],
             *window_keys.stride()[:3], *window_values.stride()[:3], Hkv, D, DV, t, float(scale))
     consts = dict(REP=REP, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_M=block_m)
@@ -113,3 +114,12 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
     else:
         _TUNED[grid](*args, **consts)
     return out
+
+
+def _length_strides(lengths: Tensor, B: int, Hkv: int):
+    """``(batch, kv head)`` strides of ``lengths`` (0 where one entry serves them all)."""
+    shapes = {(2,): (0, 0), (B, 2): (lengths.stride(0), 0), (B, Hkv, 2): tuple(lengths.stride()[:2])}
+    if tuple(lengths.shape) not in shapes or lengths.stride(-1) != 1:
+        raise ValueError(f"lengths has shape {tuple(lengths.shape)}; pass a contiguous int32 [2], [B, 2] = [{B}, 2] "
+                         f"or [B, Hkv, 2] = [{B}, {Hkv}, 2] of [rows, window length]")
+    return shapes[tuple(lengths.shape)]
