@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from ..ops.budget import StateBudget, parse_budget_spec
+from ..ops.budget import KINDS, StateBudget, parse_budget_spec
 from ..ops.kvm import NUMERICS
 from ..utils.fields import check_field_types
 
@@ -20,8 +20,8 @@ def budget_from_dict(spec: Dict[str, Any]) -> StateBudget:
     """``{"kind": "fixed", "n": 256}`` -> ``StateBudget.fixed(256)`` (the fields of :class:`StateBudget`)."""
     spec = dict(spec)
     kind = spec.pop("kind", None)
-    if kind not in ("fixed", "power_law", "saturating"):
-        raise ValueError(f"budget kind must be fixed, power_law or saturating, got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"budget kind must be one of {', '.join(KINDS)}, got {kind!r}")
     known = {f.name for f in dataclasses.fields(StateBudget)} - {"kind"}
     unknown = set(spec) - known
     if unknown:
@@ -275,14 +275,14 @@ def preset(name: str, **overrides) -> KVMModelConfig:
 def with_budget(config: KVMModelConfig, budget: Any) -> KVMModelConfig:
     """``config`` with every KVM layer's budget replaced (a schedule change at load, no retraining): ``budget`` is
     anything ``KVMModelConfig.budget`` takes or a spec ``N``, ``fixed:N``, ``saturating:N[:MIN_LEN]``,
-    ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``. ``ValueError`` when no layer is KVM or a fixed budget is below
-    ``chunk_len``."""
+    ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``, ``novelty:THRESHOLD:CAP``. ``ValueError`` when no layer is KVM or a
+    fixed budget (a novelty cap) is below ``chunk_len``."""
     if "kvm" not in config.mixer_per_layer():
         raise ValueError(f"budget override: the model has no KVM layer (layers {sorted(set(config.mixer_per_layer()))}); "
                          "drop budget / --budget")
     out = dataclasses.replace(config, budget=parse_budget_spec(budget) if isinstance(budget, str) else budget)
     b = out.state_budget()
-    if isinstance(b, StateBudget) and b.kind == "fixed" and b.n < config.chunk_len:   # the op's check, at load
-        raise ValueError(f"budget override: fixed {b.n} rows would shrink the state below the initial state of "
+    if isinstance(b, StateBudget) and b.kind in ("fixed", "novelty") and b.n < config.chunk_len:   # the op's check
+        raise ValueError(f"budget override: {b.kind} {b.n} rows would shrink the state below the initial state of "
                          f"chunk_len={config.chunk_len} rows; use at least {config.chunk_len}")
     return out

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .budget import BudgetLike, StateBudget, as_budget
+from .budget import BudgetLike, StateBudget, as_budget, is_data_dependent
 from .chunk import chunk_kvm_attention
 from .naive import naive_kvm_attention
 from .ragged import ragged_kvm_attention, split_call
@@ -43,6 +43,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         budget: state size schedule, a :class:`StateBudget`, an int ``n`` (exactly ``StateBudget.fixed(n)``;
             a fixed budget must be ``>= chunk_len``, the rows of the initial chunk) or a callable
             ``ctx_len -> rows`` (a finite int; values below the current rows keep them: the state never shrinks).
+            ``StateBudget.novelty(threshold, cap)`` grows the rows by the data, per sequence and kv head
+            (``state.row_count``; cap ``>= chunk_len``); it runs on the torch paths only: ``backend="auto"`` takes
+            them on every device, ``"triton"`` and ``numerics="reference"`` raise.
         state_norm_weight, state_norm_bias: ``[D]`` affine of LN_s (None: no affine). state_norm_eps: its eps.
         state_temp, bswa_temp: ``[H]`` inverse temperatures of state keys / window keys (None: 1).
         value_radius: False is the ablation that reads state values as running means.
@@ -115,7 +118,11 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                   gate_values=gate_values, gate_appends=gate_appends)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
-    attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
+    if is_data_dependent(budget_fn):     # the torch paths, on every device (the Triton kernels: not yet)
+        _check_novelty_backend(backend, numerics)
+        attn = "torch"
+    else:
+        attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
     if state.schedule is not None:      # a ragged batch (rows at different positions): kvmeans.ops.ragged
         if T > 1 or needs_grad or numerics == "reference" or backend not in ("auto", "recurrent"):
             return split_call(kvm_attention, call)
@@ -159,6 +166,18 @@ def _kernels(backend, device, dtype, compute, numerics):
         if backend == "triton":
             raise ValueError(f"backend='triton' cannot run here: {why}")
     return "torch", backend
+
+
+def _check_novelty_backend(backend, numerics):
+    """Data-dependent growth runs on the torch paths only: "auto" takes them (never Triton), "triton" and
+    reference numerics are refused."""
+    if backend == "triton":
+        raise ValueError("backend='triton' does not support a novelty budget (rows per kv head) yet; use "
+                         "backend='auto', 'chunked' or 'recurrent' (torch)")
+    if numerics == "reference":
+        raise ValueError("numerics='reference' does not support a novelty budget; use numerics='exact' or 'mixed'")
+    if backend != "naive":
+        raise ValueError("a novelty budget runs on backend='naive' only in this version (chunked / recurrent next)")
 
 
 def _check_tensors(q, k, v):
@@ -292,7 +311,16 @@ def _check_numerics(numerics):
 
 def _check_budget_against_state(budget, state, chunk_len):
     """A fixed budget (an int ``n`` is ``StateBudget.fixed(n)``) must hold the rows that already exist: the
-    initial chunk (``chunk_len`` rows) or the carried state; the state never shrinks."""
+    initial chunk (``chunk_len`` rows) or the carried state; the state never shrinks. A novelty budget's cap
+    must hold the initial chunk; a state it grew (rows per kv head) continues only under a novelty budget."""
+    if is_data_dependent(budget):
+        if budget.n < chunk_len:
+            raise ValueError(f"budget={budget!r}: cap={budget.n} is below the initial state of chunk_len={chunk_len} "
+                             f"rows; use a cap >= {chunk_len}")
+        return
+    if state.row_count is not None:
+        raise ValueError(f"initial_state was grown by a novelty budget (rows per kv head) but this call uses "
+                         f"budget={budget!r}; continue it with a StateBudget.novelty budget")
     if isinstance(budget, StateBudget) and budget.kind == "fixed":
         floor = max(state.num_rows, chunk_len)
         if budget.n < floor:

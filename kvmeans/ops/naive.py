@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from .masking import finite_tokens, poison, rows_poison, window_poison
-from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
+from .budget import is_data_dependent
+from .routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, plan_updates
 from .state import KVMState
 
@@ -32,6 +33,7 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
     K, V, R = state.rows()                    # s^K, s^V, rho  (raw sums, radii)
     wk, wv, wg = state.window()               # uncompressed tokens [window_start, t0)
     w_start, cov = state.window_start, state.coverage
+    count = state.row_count                   # rows in use per (sequence, kv head); None: all K.shape[2]
     outs = []
     pos = t0
     while pos < t0 + T:
@@ -55,12 +57,17 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
             dummy = torch.zeros_like(wg[:, :, blk], dtype=torch.bool)
             ak, _, _ = token_streams(kbar, wv[:, :, blk], wg[:, :, blk], ~dummy, gate_keys=gate_keys,
                                      gate_values=gate_values, gate_appends=gate_appends)
-            K_hat = state_layer_norm(K, *ln)
-            dest, appended = route_overflow(K_hat.detach(), kbar.detach(), state_layer_norm(ak, *ln).detach(),
-                                            step.n_append, S)
+            K_hat, ak_hat = state_layer_norm(K, *ln).detach(), state_layer_norm(ak, *ln).detach()
+            if is_data_dependent(budget):    # novel tokens appended per (sequence, kv head), within the cap
+                count = torch.full(K.shape[:2], K.shape[2], device=K.device) if count is None else count
+                dest, appended, count = route_novelty(K_hat, count, kbar.detach(), ak_hat, budget.threshold,
+                                                      budget.n, S)
+                pad = int(count.max()) - K.shape[2]
+            else:
+                dest, appended = route_overflow(K_hat, kbar.detach(), ak_hat, step.n_append, S)
+                pad = step.n_append
             dk, dv, rad = token_streams(kbar, wv[:, :, blk], wg[:, :, blk], appended, gate_keys=gate_keys,
                                         gate_values=gate_values, gate_appends=gate_appends)
-            pad = step.n_append
             K = torch.cat([K, K.new_zeros(*K.shape[:2], pad, K.shape[3])], 2)
             V = torch.cat([V, V.new_zeros(*V.shape[:2], pad, V.shape[3])], 2)
             K = K.scatter_add(2, dest.unsqueeze(-1).expand_as(dk), dk)       # s_new = s_+ + sum of merged
@@ -78,19 +85,20 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
 
         # 4. One softmax over [tau_state * LN_s(s^K) ; tau_bswa * k_window] (state only once active).
         outs.append(_attend(q[:, :, new], K, V, R, wk, wv, pos, w_start, state.value_radius, ln, state_temp,
-                            bswa_temp, scale, use_state=w_start > 0, geometry=(C, n)))
+                            bswa_temp, scale, use_state=w_start > 0, geometry=(C, n), count=count))
         pos = e
 
     out_state = KVMState(K, V, R, wk, wv, wg, num_rows=K.shape[2], seen_tokens=t0 + T, coverage=cov,
                          chunk_len=C, n_bswa_chunks=n, sink_len=S, rope_dim=r, value_radius=state.value_radius,
-                         extras=state.extras)
+                         extras=state.extras, row_count=count)
     return torch.cat(outs, 2), out_state
 
 
-def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, bswa_temp, scale, use_state, geometry):
+def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, bswa_temp, scale, use_state, geometry,
+            count=None):
     """Queries ``[B,H,t,D]`` at positions ``q_start...`` over ``[state ; window]``, causal in the window.
     Masked tokens contribute exactly zero; an output that sees a non-finite key or value is NaN
-    (:mod:`kvmeans.ops.masking`). ``geometry = (C, n)``."""
+    (:mod:`kvmeans.ops.masking`). ``geometry = (C, n)``; ``count [B, Hkv]``: state rows in use (None: all)."""
     H, Hkv = q.shape[1], wk.shape[1]
     rep = lambda x: x.repeat_interleave(H // Hkv, dim=1)       # query head h reads kv head h // (H/Hkv)
     tq, tw = q.shape[2], wk.shape[2]
@@ -106,6 +114,9 @@ def _attend(q, K, V, R, wk, wv, q_start, w_start, value_radius, ln, state_temp, 
         k_hat, v_hat, bad_rows = finite_tokens(*readout(K, V, R, value_radius, *ln))
         state_bad = rows_poison(bad_rows)
         s_scores = (q @ (rep(k_hat) * state_temp.view(1, H, 1, 1)).transpose(-1, -2)) * scale
+        if count is not None:       # rows not in use for this (sequence, kv head) are hidden
+            unused = torch.arange(K.shape[2], device=q.device) >= rep(count).view(*count.shape[:1], H, 1, 1)
+            s_scores = s_scores.masked_fill(unused, -math.inf)
         scores = torch.cat([s_scores, scores], -1)
         values = torch.cat([rep(v_hat), values], 2)
     return poison(torch.softmax(scores, -1) @ values, seen_bad, state_bad)

@@ -9,6 +9,7 @@ rounding of ``g``.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -122,6 +123,39 @@ def route_overflow(rows_hat: Tensor, sel: Tensor, append_keys_hat: Tensor, n_app
         take_new = best_new > best if m > s else torch.ones_like(appended)
         target = torch.where(take_new, idx_new + m, target)
     return torch.where(appended, new_rows, target), appended
+
+
+@torch.no_grad()
+def route_novelty(rows_hat: Tensor, row_count: Tensor, sel: Tensor, append_keys_hat: Tensor, threshold: float,
+                  cap: int, sink_len: int):
+    """Data-dependent growth (``StateBudget.novelty``): decide the fate of one overflow block per (sequence, kv head).
+
+    A token is novel when ``1 - max_i cos(sel_j, rows_hat_i)`` over the rows in use (sinks included) exceeds
+    ``threshold``; the novel tokens become new rows while ``row_count < cap``, the most novel first (ties: lower
+    token index), the new rows in token order from ``row_count`` on. Every other token merges by argmax of
+    ``sel_j . row`` over the non-sink rows in use and the rows appended in this block (lower row index on ties),
+    as :func:`route_overflow`.
+
+    Args: ``rows_hat [B, Hkv, M, D]`` (rows ``>= row_count`` ignored), ``row_count [B, Hkv]`` long,
+    ``sel, append_keys_hat [B, Hkv, C, D]``. Returns ``(dest [B, Hkv, C] long, appended [B, Hkv, C] bool,
+    row_count [B, Hkv] after the block)``.
+    """
+    M, N = rows_hat.shape[-2], sel.shape[-2]
+    in_use = torch.arange(M, device=sel.device) < row_count.unsqueeze(-1)             # [B, Hkv, M]
+    cos = F.normalize(sel, dim=-1) @ F.normalize(rows_hat, dim=-1).transpose(-1, -2)   # [B, Hkv, C, M]
+    novelty = 1 - cos.masked_fill(~in_use.unsqueeze(-2), -math.inf).amax(-1)
+    novel = novelty > threshold
+    order = torch.sort(novelty.masked_fill(~novel, -math.inf), dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=sel.device).expand_as(order))
+    appended = novel & (rank < (cap - row_count).clamp_min(0).unsqueeze(-1))
+    new_rows = row_count.unsqueeze(-1) + appended.cumsum(-1) - 1
+    mergeable = in_use & (torch.arange(M, device=sel.device) >= sink_len)
+    logits = (sel @ rows_hat.transpose(-1, -2)).masked_fill(~mergeable.unsqueeze(-2), -math.inf)
+    best, target = first_max(logits)
+    new_logits = (sel @ append_keys_hat.transpose(-1, -2)).masked_fill(~appended.unsqueeze(-2), -math.inf)
+    best_new, idx_new = first_max(new_logits)          # the first appended token = the lowest new row
+    target = torch.where(best_new > best, new_rows.gather(-1, idx_new), target)
+    return torch.where(appended, new_rows, target), appended, row_count + appended.sum(-1)
 
 
 def token_streams(kbar: Tensor, v: Tensor, gate: Tensor, appended: Tensor, *, gate_keys: bool,

@@ -121,6 +121,10 @@ class KVMState(BatchedState):
         extras: free slot for layers (token-shift predecessors and the like).
         schedule: None when every row has seen ``seen_tokens``; a ragged batch's :class:`RowSchedule` otherwise
             (``num_rows``, ``seen_tokens``, ``coverage`` are then the rows' maxima; see the module docstring).
+        row_count: None under a positional budget (every (sequence, kv head) holds ``num_rows`` rows); under a
+            data-dependent one (``StateBudget.novelty``) a ``[B, Hkv]`` long tensor on the state's device: rows
+            in use per sequence and kv head, ``num_rows`` is their maximum (the stored rows); rows
+            ``>= row_count[b, h]`` hold zeros, are hidden from the read and are never merge targets.
     """
 
     keys: Tensor
@@ -139,6 +143,7 @@ class KVMState(BatchedState):
     value_radius: bool = True
     extras: dict = field(default_factory=dict)
     schedule: Optional[RowSchedule] = None
+    row_count: Optional[Tensor] = None
     # recurrent path: readout cache (LN_s keys, radius-scaled values) and whether the buffers are
     # its own preallocated ones (safe to write in place); neither is saved
     _readout: Optional[tuple] = field(default=None, repr=False, compare=False)
@@ -226,6 +231,12 @@ class KVMState(BatchedState):
                 + sum(windows) * slot(self.window_keys, self.window_values, self.window_gates))
 
     # ---- copies (clone, detach, index_select, reorder_ come from BatchedState) ----------------
+    def _replace(self, fn):
+        out = super()._replace(fn)
+        if self.row_count is not None:      # copied, selected and moved with the rows, but never cast
+            out.row_count = fn(self.row_count).long()
+        return out
+
     def _reset_caches(self) -> None:
         self._readout, self._owned, self._row_readout = None, False, None
 
@@ -257,6 +268,9 @@ class KVMState(BatchedState):
         """One state holding the rows of ``states`` in order (plain or ragged, same configuration, dtype and
         device; ``extras`` tensors concatenated); ragged unless every row stands at one position."""
         first = states[0]
+        if any(st.row_count is not None for st in states):
+            raise ValueError("KVMState.stack: states grown by a novelty budget (row_count set) cannot be stacked "
+                             "into a ragged batch yet; run their sequences separately")
         config = ("chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "value_radius")
         for st in states[1:]:
             for name in config:
