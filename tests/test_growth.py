@@ -109,3 +109,136 @@ def test_spec_and_config_forms():
     assert with_budget(small, "novelty:0.4:48").state_budget() == StateBudget.novelty(0.4, 48)
     with pytest.raises(ValueError, match="novelty 16 rows would shrink"):
         with_budget(small, "novelty:0.4:16")
+
+
+# ---- every path == naive on random inputs ------------------------------------------------------------------------
+import kvmeans.ops.chunk as chunk_mod  # noqa: E402
+from kvmeans.utils.testing import assert_close  # noqa: E402
+
+NAMES = ["q", "k", "v", "gate", "state_norm_weight", "state_norm_bias", "state_temp", "bswa_temp"]
+# (T, C, n, sink, threshold, cap, H, Hkv, rope_dim, extra): lengths not multiples of C, GQA, no sink, several sinks,
+# thresholds where some (sequence, kv head)s grow and others do not, caps that bind and caps that do not
+CASES = [
+    (37, 4, 2, 1, 0.5, 64, 4, 2, 2, {}),
+    (41, 4, 1, 0, 0.6, 9, 4, 4, 0, {}),
+    (50, 5, 3, 2, 0.45, 11, 6, 3, 4, {}),
+    (70, 8, 2, 3, 0.35, 20, 4, 1, 2, {}),
+    (45, 4, 2, 1, 0.5, 64, 4, 2, 2, dict(value_radius=False, gate_appends=True)),
+]
+
+
+def case_id(c):
+    return "T{}-C{}-n{}-S{}-th{}-cap{}-H{}-Hkv{}-r{}".format(*c[:9]) + ("-ablation" if c[9] else "")
+
+
+def call(inputs, lo, hi, case, state=None, **kw):
+    T, C, n, S, th, cap, H, Hkv, r, extra = case
+    part = {k: (x[:, :, lo:hi] if k in ("q", "k", "v", "gate") else x) for k, x in inputs.items()}
+    return kvm_attention(part.pop("q"), part.pop("k"), part.pop("v"), part.pop("gate"), chunk_len=C, n_bswa_chunks=n,
+                         sink_len=S, rope_dim=r, budget=StateBudget.novelty(th, cap), initial_state=state,
+                         return_state=True, **part, **extra, **kw)
+
+
+def inputs_for(case, B=2, seed=0, requires_grad=False):
+    T, C, n, S, th, cap, H, Hkv, r, extra = case
+    return make_inputs(B=B, H=H, Hkv=Hkv, T=T, D=8, Dv=6, seed=seed, requires_grad=requires_grad)
+
+
+def rows_in_use(st):
+    """``[B, Hkv]`` (a state before its first update under novelty, row_count None, has num_rows everywhere)."""
+    return torch.full(st.keys.shape[:2], st.num_rows) if st.row_count is None else st.row_count
+
+
+def assert_same_state(s0, s1, tol=1e-10):
+    assert (s0.num_rows, s0.coverage, s0.seen_tokens, s0.window_len) == (s1.num_rows, s1.coverage, s1.seen_tokens,
+                                                                        s1.window_len)
+    assert torch.equal(rows_in_use(s0), rows_in_use(s1))
+    for name, a, b in zip(("keys", "values", "radii", "wkeys", "wvalues", "wgates"), (*s0.rows(), *s0.window()),
+                          (*s1.rows(), *s1.window())):
+        assert_close(name, a, b, tol)
+
+
+def outputs_and_grads(backend, case):
+    inputs = inputs_for(case, requires_grad=True)
+    y, state = call(inputs, 0, case[0], case, backend=backend)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    rows = state.rows()
+    loss = (y * dy).sum() + 0.3 * rows[0].sum() + 0.1 * rows[1].pow(2).sum() + 0.2 * rows[2].sum()
+    return y, state, torch.autograd.grad(loss, [inputs[k] for k in NAMES], allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_naive_grows_per_sequence_and_head(case):
+    _, st = call(inputs_for(case), 0, case[0], case, backend="naive")
+    count = st.row_count
+    assert count.dtype == torch.long and count.shape == st.keys.shape[:2] and st.num_rows == int(count.max())
+    assert count.min() >= case[1] and count.max() <= case[5]
+    if case[5] > case[1] + 2:
+        assert count.unique().numel() > 1, "the case should grow (sequence, kv head)s differently"
+    unused = torch.arange(st.num_rows) >= count.unsqueeze(-1)
+    for t in st.rows():
+        assert t[unused].eq(0).all()                 # rows beyond a (b, h)'s count hold zeros
+
+
+@pytest.mark.parametrize("groups", ["one", "per-chunk"])
+@pytest.mark.parametrize("backward", ["graph", "reconstruct"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_chunked_matches_naive(case, backward, groups, monkeypatch):
+    monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
+    if groups == "per-chunk":
+        monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)
+    (y0, s0, g0), (y1, s1, g1) = outputs_and_grads("naive", case), outputs_and_grads("chunked", case)
+    assert_close("y", y0, y1, 1e-10)
+    assert_same_state(s0, s1)
+    for name, a, b in zip(NAMES, g0, g1):
+        assert_close("d" + name, a, b, 1e-10)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "recurrent", "naive"])
+@pytest.mark.parametrize("case", CASES[:4], ids=case_id)
+def test_every_split_point(case, backend):
+    inputs, T = inputs_for(case), case[0]
+    y_ref, s_ref = call(inputs, 0, T, case, backend="naive")
+    with torch.no_grad():
+        for t0 in range(1, T, 3):
+            y0, s = call(inputs, 0, t0, case, backend="chunked")
+            y1, s = call(inputs, t0, T, case, s, backend=backend)
+            assert_close(f"y split at {t0}", y_ref, torch.cat([y0, y1], 2), 1e-10)
+            assert_same_state(s_ref, s)
+
+
+@pytest.mark.parametrize("steps", [(1,), (2, 5, 1, 7)])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decode_matches_naive(case, steps):
+    inputs, T, C = inputs_for(case), case[0], case[1]
+    y_ref, s_ref = call(inputs, 0, T, case, backend="naive")
+    ys, state, pos, i = [], None, 0, 0
+    with torch.no_grad():
+        while pos < T:
+            end = min(T, pos + steps[i % len(steps)])
+            y, state = call(inputs, pos, end, case, state)          # auto: recurrent once a state exists
+            ys.append(y)
+            pos, i = end, i + 1
+            if pos % C == 0 and pos > 2 * C:                         # states agree at every chunk boundary
+                assert_same_state(call(inputs, 0, pos, case, backend="naive")[1], state)
+    assert_close("y", y_ref, torch.cat(ys, 2), 1e-10)
+    assert_same_state(s_ref, state)
+
+
+@pytest.mark.parametrize("backend", ["naive", "chunked", "recurrent"])
+def test_batch_rows_independent(backend):
+    case = CASES[2]
+    inputs, T = inputs_for(case, B=3), case[0]
+    with torch.no_grad():
+        y, st = call(inputs, 0, 20, case, backend="chunked")
+        y2, st = call(inputs, 20, T, case, st, backend=backend)
+        y = torch.cat([y, y2], 2)
+        for b in range(3):
+            one = {k: (x[b:b + 1] if k in ("q", "k", "v", "gate") else x) for k, x in inputs.items()}
+            yb, sb = call(one, 0, T, case, backend="naive")
+            assert_close(f"y[{b}]", yb, y[b:b + 1], 1e-10)
+            assert torch.equal(sb.row_count, st.row_count[b:b + 1])
+            m = sb.num_rows
+            for name, a, c in zip(("keys", "values", "radii"), sb.rows(), st.rows()):
+                assert_close(f"{name}[{b}]", a, c[b:b + 1, :, :m], 1e-10)
+                assert c[b:b + 1, :, m:].eq(0).all()

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .budget import is_data_dependent
 from .chunk_reconstruct import GroupPlan, reconstruct_attention
 from .masking import finite_tokens, poison, window_poison
 from .routing import memory_keys, readout, token_streams
@@ -48,8 +49,10 @@ class _Routes:
     dest: Tensor            # [B, Hkv, N] row each entering token joins
     created: Tensor         # [B, Hkv, N] token creates a row (initial fill or append)
     ungated: Tensor         # [B, Hkv, N] token enters with its ungated key/value
-    rows_at: List[int]      # rows visible to query chunk c (0 while the state is inactive)
+    rows_at: List[int]      # rows visible to query chunk c (0 while the state is inactive; novelty: the max over (b, h))
     num_rows: int           # rows of the final state
+    counts: Optional[Tensor] = None     # novelty budget: [B, Hkv, chunks] rows in use visible to chunk c
+    row_count: Optional[Tensor] = None  # novelty budget: [B, Hkv] rows in use after the call
 
 
 def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_weight, state_norm_bias,
@@ -78,7 +81,8 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     else:
         kk, vv, gg = k, v, gate
     ln_params = [t for t in (state_norm_weight, state_norm_bias, state_temp, bswa_temp) if t is not None]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))
+    if not grad and not is_data_dependent(budget):     # (novelty growth takes the path below, with or without grad)
         return _prefill_no_grad(q, kk, vv, gg, state, budget=budget, ln=ln, state_temp=state_temp,
                                 bswa_temp=bswa_temp, scale=scale, group_bytes=group_bytes,
                                 gates=(gate_keys, gate_values, gate_appends), attn=attn, mma_dtype=mma_dtype)
@@ -99,7 +103,8 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
     if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
         per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
-    joins = attn != "triton" and _saves_flash(q, v)    # the reconstruction backward's joined read: like chunks together
+    # the reconstruction backward's joined read: like chunks together (rows hidden per (b, h): never joined)
+    joins = attn != "triton" and _saves_flash(q, v) and routes.counts is None
     kind = (lambda c: (routes.rows_at[c] > 0, _whole_window(c, C, n, w0))) if joins else None
     groups = _groups(c_first, c_last, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn, kind)
     backward = BACKWARD if backward is None else backward
@@ -112,7 +117,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
         limit = RECONSTRUCT_BYTES_JOINED if joins else RECONSTRUCT_BYTES
         backward = "reconstruct" if attn == "triton" or saved > min(limit, RECONSTRUCT_BYTES) else "graph"
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
-               ln_eps=state_norm_eps, attn=attn)
+               ln_eps=state_norm_eps, attn=attn, counts=routes.counts)
     arrival = torch.arange(cov0, cov1, device=q.device) // C + n    # first query chunk that sees each entering token
     bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()), arrival.numel()]
     cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
@@ -137,7 +142,7 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=m_final,
                          seen_tokens=t1, coverage=cov1, chunk_len=C, n_bswa_chunks=n,
                          sink_len=state.sink_len, rope_dim=state.rope_dim, value_radius=state.value_radius,
-                         extras=state.extras)
+                         extras=state.extras, row_count=routes.row_count)
     return y, out_state
 
 
@@ -180,7 +185,7 @@ def _span_attend(groups, geo):
 
     def attend(i, q_span, kw_span, vw_span, base, streams, dest, arrival, params, saved=None, with_lse=False):
         ca, cb = groups[i]
-        if geo["attn"] != "triton" and (saved is not None or with_lse) and \
+        if geo["attn"] != "triton" and geo["counts"] is None and (saved is not None or with_lse) and \
                 _joinable(ca, cb, q_span, vw_span, geo["rows_at"], C, n, w0):
             out = _joined_group(ca, cb, q_span, kw_span, vw_span, *base, *streams, dest, arrival, *params, **geo,
                                 saved=saved, with_lse=with_lse)
@@ -267,7 +272,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
 
 def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, arrival, state_temp, bswa_temp,
                   ln_w, ln_b, *, C, n, t0, t1, w0, scale, value_radius, rows_at, ln_eps, attn="torch", saved=None,
-                  with_lse=False):
+                  with_lse=False, counts=None):
     """Outputs ``[B, H, qb - qa, Dv]`` of query chunks ``[ca, cb)`` (G = cb - ca), differentiably.
 
     ``q [B, H, qb - qa, D]`` their queries and ``kw, vw [B, Hkv, G, D|Dv, W]`` each chunk's window (positions
@@ -276,6 +281,7 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
     With ``attn="triton"``, ``kw, vw [B, Hkv, N, D|Dv]`` hold the tokens from ``max(w0, (ca+1-n)*C)`` on;
     ``with_lse`` returns ``(o, lse2)`` from the forward kernel only (no graph) and ``saved=(o, lse2)``
     reuses them instead of launching it (torch attention ignores both; ``with_lse`` gives ``(o, None)``).
+    ``counts [B, Hkv, chunks]`` (novelty budget): the rows in use per (b, h) each chunk sees; the others are hidden.
     """
     B, Hkv, G = q.shape[0], kw.shape[1], cb - ca
     M = rows_at[cb - 1]
@@ -295,8 +301,12 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
         keys[..., :M, :] = k_hat.unsqueeze(3) * _by_head(state_temp, Hkv)
         values[..., :M, :] = v_hat.unsqueeze(3)
     stale = stale if M else None        # a stale snapshot's outputs are poisoned: differentiate a fresh forward
-    out = _group_sdpa(q, keys, values, _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device), scale,
-                      saved=None if stale is not None else saved, with_lse=with_lse)
+    mask = _group_mask(ca, cb, C, n, t0, t1, w0, rows_at, M, q.device)
+    if counts is not None and M:        # [B, G, H, Cq, M + W]: rows beyond each (b, h)'s count hidden too
+        hidden = torch.arange(M, device=q.device) >= counts[:, :, ca:cb].transpose(1, 2).unsqueeze(-1)
+        hidden = hidden.repeat_interleave(q.shape[1] // Hkv, 2).unsqueeze(3)          # [B, G, H, 1, M]
+        mask = mask.unsqueeze(1) & F.pad(~hidden, (0, mask.shape[-1] - M), value=True)
+    out = _group_sdpa(q, keys, values, mask, scale, saved=None if stale is not None else saved, with_lse=with_lse)
     if with_lse:
         return _poison_chunks(out[0], stale), out[1]
     return _poison_chunks(out, stale)
@@ -416,10 +426,10 @@ def _group_sdpa(q, keys, values, mask, scale, saved=None, with_lse=False):
     kernel runs (:func:`_saves_flash`), ``with_lse`` returns ``(y, lse)`` from it (no graph) and ``saved=(y, lse)``
     from such a call differentiates with its backward instead of running the forward again (``with_lse``
     elsewhere: ``(y, None)``)."""
-    B, G, C = q.shape[0], keys.shape[1], mask.shape[1]
+    B, G, C = q.shape[0], keys.shape[1], mask.shape[-2]
     by_chunk = lambda t: t.unflatten(2, (G, C)).transpose(1, 2).flatten(0, 1)         # [B*G, H, C, D]
     qs, k, v = by_chunk(q), keys.flatten(2, 3).flatten(0, 1), values.flatten(2, 3).flatten(0, 1)
-    mask = mask.unsqueeze(1).repeat(B, 1, 1, 1)
+    mask = mask.flatten(0, 1) if mask.dim() == 5 else mask.unsqueeze(1).repeat(B, 1, 1, 1)   # [B*G, H or 1, Cq, K]
     heads = lambda y: y.unflatten(0, (B, G)).transpose(1, 2).flatten(2, 3)
     if (with_lse or saved is not None) and _saves_flash(q, values):
         add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -643,5 +653,26 @@ def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appen
             rows += n
         else:
             dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
+    if is_data_dependent(budget):
+        counts = _counts_visible(state, records, t1, dest.shape[:2])
+        return _Routes(dest, created, ungated, counts.amax((0, 1)).tolist(), scratch.num_rows, counts,
+                       scratch.row_count)
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
     return _Routes(dest, created, ungated, rows_at, scratch.num_rows)
+
+
+def _counts_visible(state: KVMState, records: list, t1: int, bh) -> Tensor:
+    """``[B, Hkv, chunks]`` rows in use per (b, h) visible to each query chunk ``c < ceil(t1 / C)`` under a novelty
+    budget (:func:`_rows_visible` per (b, h)); ``records`` from :func:`absorb`."""
+    C, n = state.chunk_len, state.n_bswa_chunks
+    count = state.row_count
+    count = torch.full(bh, state.num_rows, device=state.device) if count is None else count.clone()
+    after, grown = {}, count                          # block index -> rows in use once it entered
+    for start, k, _, app in records:
+        grown = grown + (k if app is None else app.sum(-1))
+        after[start // C] = grown
+    out = []
+    for c in range((t1 - 1) // C + 1):
+        count = after.get(c - n, count)
+        out.append(count if c >= n else torch.zeros_like(count))
+    return torch.stack(out, -1)

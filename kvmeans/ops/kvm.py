@@ -176,8 +176,6 @@ def _check_novelty_backend(backend, numerics):
                          "backend='auto', 'chunked' or 'recurrent' (torch)")
     if numerics == "reference":
         raise ValueError("numerics='reference' does not support a novelty budget; use numerics='exact' or 'mixed'")
-    if backend != "naive":
-        raise ValueError("a novelty budget runs on backend='naive' only in this version (chunked / recurrent next)")
 
 
 def _check_tensors(q, k, v):

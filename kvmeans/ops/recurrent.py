@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from .masking import finite_tokens, poison, rows_poison, window_poison
-from .routing import memory_keys, readout, route_overflow, state_layer_norm, token_streams
+from .budget import is_data_dependent
+from .routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
 from .schedule import bswa_begin, coverage_after, plan_updates
 from .state import KVMState
 
@@ -152,18 +153,19 @@ def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin:
     for step in plan_updates(budget, state.coverage, state.num_rows, total, C, state.n_bswa_chunks):
         loc = slice(step.start - origin, step.start + C - origin)
         dest, app = _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys,
-                            gate_values, gate_appends, attn)
+                            gate_values, gate_appends, attn, budget if is_data_dependent(budget) else None)
         records.append((step.start, C, dest, app))
     return records
 
 
-def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends, attn="torch"):
+def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends, attn="torch", growth=None):
     """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state;
     returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``. ``attn="triton"`` (fp32 state): routing by
-    ``route_overflow_triton`` (same rule and ties as ``route_overflow``), sums by ``scatter_add_rows``."""
+    ``route_overflow_triton`` (same rule and ties as ``route_overflow``), sums by ``scatter_add_rows``.
+    ``growth``: a novelty budget (``route_novelty``, rows per kv head in ``state.row_count``; torch only)."""
     kbar = memory_keys(kb, state.rope_dim, *ln)
     append_hat = None                                # LN_s of the key each token would get as a new row
-    if step.n_append > 0:
+    if step.n_append > 0 or growth is not None:
         everyone = torch.ones_like(gb, dtype=torch.bool)
         ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
                                  gate_appends=gate_appends)
@@ -175,11 +177,18 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
         route = tri.route_overflow_triton
     else:
         route = route_overflow
-    dest, app = route(rows_hat, kbar, append_hat, step.n_append, state.sink_len)
+    if growth is not None:
+        count = state.row_count
+        count = torch.full(kb.shape[:2], state.num_rows, device=kb.device) if count is None else count
+        dest, app, state.row_count = route_novelty(rows_hat, count, kbar, append_hat, growth.threshold, growth.n,
+                                                   state.sink_len)
+        m1 = max(state.num_rows, int(state.row_count.max()))
+    else:
+        dest, app = route(rows_hat, kbar, append_hat, step.n_append, state.sink_len)
+        m1 = step.rows_after
     dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
                                 gate_appends=gate_appends)
-    _reserve_rows(state, step.rows_after)
-    m1 = step.rows_after
+    _reserve_rows(state, m1)
     if fused:                                        # fp32 atomics into the preallocated buffers
         d32 = dest.to(torch.int32)
         tri.scatter_add_rows(state.keys, d32, dk)
@@ -230,6 +239,8 @@ def _attend_one(state: KVMState, q: Tensor, joint, ln, state_temp, bswa_temp, sc
     s = (q.reshape(B, Hkv, H // Hkv, D) * scale) @ kj[:, :, cap - m:cap + w].transpose(-1, -2)   # [B, Hkv, rep, m+w]
     s[..., :m].mul_(state_temp.view(1, Hkv, -1, 1))
     s[..., m:].mul_(bswa_temp.view(1, Hkv, -1, 1))
+    if m and state.row_count is not None:
+        s[..., :m].masked_fill_(_unused_rows(state), -math.inf)
     return (torch.softmax(s, -1) @ vj[:, :, cap - m:cap + w]).view(B, H, 1, -1)
 
 
@@ -252,11 +263,18 @@ def _attend(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp,
         y = torch.softmax(scores, -1) @ wv
     else:
         s_scores = group(q * (state_temp * scale).view(1, H, 1, 1)) @ k_hat.transpose(-1, -2)
+        if state.row_count is not None:
+            s_scores.masked_fill_(_unused_rows(state), -math.inf)
         p = torch.softmax(torch.cat([s_scores, scores], -1), -1)    # one softmax over [state ; window]
         m = k_hat.shape[2]
         y = p[..., :m] @ v_hat + p[..., m:] @ wv                       # [B, Hkv, rep*t, Dv]; no copy of the state
     y = y.view(B, H, t, -1)
     return poison(y, *seen_bad)
+
+
+def _unused_rows(state: KVMState) -> Tensor:
+    """``[B, Hkv, 1, num_rows]`` bool: rows beyond each (sequence, kv head)'s ``row_count`` (hidden from the read)."""
+    return (torch.arange(state.num_rows, device=state.device) >= state.row_count.unsqueeze(-1)).unsqueeze(2)
 
 
 def _attend_triton(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
