@@ -94,6 +94,7 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
     from .models.convert import REFERENCE_MODEL_TYPE
     from .models.convert_hf import CONFIG_KEY, convert_hf, load_converted
     from .models.hf import KVMConfig, KVMForCausalLM
+    from .utils.weights import named_weight_errors
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             raw = json.load(f)
@@ -114,7 +115,8 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
             model = load_converted(model_dir, dtype=dtype)
         else:
             from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            with named_weight_errors(model_dir):
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
         raise UsageError(f"--model {model_dir}: {(str(err).strip().splitlines() or ['cannot load it'])[0]}") from None
     if kvm is not None:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..cli import add_kvm_argument, parse_kvm_arg
 from ..utils.cli import UsageError
+from ..utils.weights import CorruptWeightsError, named_weight_errors
 
 __all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
            "evaluate", "main"]
@@ -229,7 +230,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         windows = text_windows(tok, a.text or "shakespeare", a.windows, a.length, a.seed)
     except ValueError as err:
         p.error(str(err))
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    try:
+        with named_weight_errors(a.model):
+            model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    except CorruptWeightsError as err:
+        raise UsageError(f"--model {a.model}: {err}") from None
     arms = [Arm(name, model, sinks, window) for name, sinks, window in specs]
     if kvm is not None:
         arms.append(_kvm_arm(model, kvm, a.length))

@@ -23,6 +23,7 @@ from ._reference_format import (KVM_CLASS_PATHS, MIXER_NAMES, MODE_PREFIX, REFER
                                 REFERENCE_MODEL_TYPE, _dropped_names, build_tiny_reference_checkpoint,
                                 reference_parameter_shapes)
 from ..utils.io import atomic_write
+from ..utils.weights import named_weight_errors
 from ..ops.kvm import NUMERICS
 from .config import KVMModelConfig
 
@@ -304,7 +305,8 @@ def convert_reference_checkpoint(src_dir: PathLike, dst_dir: PathLike, numerics:
     config = reference_config_to_ours(_read_json(src / "config.json"))
     if numerics is not None:
         config = with_numerics(config, numerics, "numerics")
-    sd = map_reference_state_dict(load_reference_state_dict(src), config)
+    with named_weight_errors(src):
+        sd = map_reference_state_dict(load_reference_state_dict(src), config)
     dst.mkdir(parents=True, exist_ok=True)
     # safetensors refuses views and shared storage: give each tensor its own compact buffer
     sd = {k: v.detach().contiguous().clone() for k, v in sd.items()}
@@ -337,6 +339,7 @@ def read_converted_checkpoint(path: PathLike) -> Tuple[KVMModelConfig, Dict[str,
                          f"format_version={raw.get('format_version')!r}; expected {OUR_MODEL_TYPE!r}, "
                          f"{FORMAT_VERSION}); convert an authors' checkpoint with convert_reference_checkpoint")
     config = KVMModelConfig.from_dict({k: v for k, v in raw.items() if k not in ("model_type", "format_version")})
-    sd = load_file(root / "model.safetensors")
+    with named_weight_errors(root):
+        sd = load_file(root / "model.safetensors")
     _check_layout(sd, kvmeans_parameter_shapes(config), f"{root}/model.safetensors")
     return config, sd

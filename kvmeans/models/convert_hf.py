@@ -18,6 +18,7 @@ from ..layers.hf_attention import convert_attention_layer
 from ..ops.budget import StateBudget, as_budget
 from ..ops.budget import parse_budget_spec as _parse_budget
 from ..ops.pretrained import ROPE_MODES
+from ..utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
 # model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
@@ -218,7 +219,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
 def load_converted(path, **from_pretrained_kwargs):
     """Load a model saved after :func:`convert_hf` and convert it again with its stored settings (and, for
     ``learned=True``, its learned KVM parameters from the folder's safetensors files)."""
-    model = _from_pretrained_quiet_on_kvm_keys(path, **from_pretrained_kwargs)
+    with named_weight_errors(path):
+        model = _from_pretrained_quiet_on_kvm_keys(path, **from_pretrained_kwargs)
     settings = getattr(model.config, CONFIG_KEY, None)
     if not settings:
         raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "

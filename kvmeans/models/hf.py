@@ -56,6 +56,7 @@ from .convert import (is_reference_checkpoint, load_reference_state_dict, map_re
                       reference_config_to_ours, with_numerics)
 from .hf_cache import KVMCache
 from .transformer import KVMLanguageModel
+from ..utils.weights import named_weight_errors
 
 __all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
 
@@ -287,7 +288,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         if budget is None and isinstance(given, KVMConfig) and not isinstance(given.budget, dict):
             budget = given.budget       # AutoModelForCausalLM.from_pretrained(dir, budget=...) set it as given
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path) and is_reference_checkpoint(path):
-            return cls._from_reference(Path(path), budget=budget, **kwargs)
+            with named_weight_errors(path):
+                return cls._from_reference(Path(path), budget=budget, **kwargs)
         if isinstance(given, PreTrainedConfig) and budget is not None:
             kept = KVMModelConfig(**{name: getattr(given, name) for name in _FIELDS if name != "budget"})
             kwargs["config"] = copy.deepcopy(given)
@@ -297,7 +299,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             raw = PreTrainedConfig.get_config_dict(given or path, **hub)[0]
             kwargs["budget"] = with_budget(KVMConfig(**raw).to_model_config(), budget).budget
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
+        with named_weight_errors(path):
+            model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
         bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if any(bad.values()):
             raise ValueError(f"{path}: checkpoint does not match the config: " +

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..models.convert_hf import CONFIG_KEY, KVMSpec, _attention_layers, convert_hf, parse_kvm_spec
 from ..utils.io import atomic_dir, atomic_write_file
+from ..utils.weights import CorruptWeightsError, named_weight_errors
 from .checkpoint import latest_checkpoint, load_checkpoint, remove_temp_files, restore_checkpoint, save_checkpoint
 from .config import ConfigError, OptimSection, RunConfig, TrainSection
 from .distill_data import training_sequences
@@ -206,7 +207,12 @@ class Distiller:
             self.sequences, self.heldout = training_sequences(self.tokenizer, source, cfg.seq_len, tuple(cfg.holdout))
         except (ValueError, OSError) as err:
             raise ConfigError(f"--data: {err}") from None
-        self.teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher, dtype=torch.float32).to(self.rt.device).eval()
+        try:
+            with named_weight_errors(cfg.teacher):
+                self.teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher, dtype=torch.float32)
+        except CorruptWeightsError as err:
+            raise ConfigError(f"--teacher {cfg.teacher}: {err}") from None
+        self.teacher = self.teacher.to(self.rt.device).eval()
         if getattr(self.teacher.config, CONFIG_KEY, None):
             raise ConfigError(f"--teacher {cfg.teacher} is a converted model (config.json {CONFIG_KEY}); "
                               "give the original model folder")

@@ -1,0 +1,141 @@
+"""Damaged files on disk and package exports: a corrupt weights file is one error naming it and the fix;
+atomic writes clean up what killed writers of the same target left; every ``__all__`` name imports."""
+import importlib
+import json
+import pkgutil
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import kvmeans  # noqa: E402
+from kvmeans.models.convert import (build_tiny_reference_checkpoint, convert_reference_checkpoint,  # noqa: E402
+                                    read_converted_checkpoint)
+from kvmeans.models.convert_hf import convert_hf, load_converted  # noqa: E402
+from kvmeans.models.hf import KVMConfig, KVMForCausalLM  # noqa: E402
+from kvmeans.train.tokenizers import gpt2_hf_tokenizer  # noqa: E402
+from kvmeans.utils.weights import CorruptWeightsError, named_weight_errors  # noqa: E402
+from test_cli_errors import fails  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+DAMAGE = {"truncated": lambda data: data[: len(data) // 2], "garbage": lambda data: b"not weights " * 40,
+          "empty": lambda data: b""}
+SMALL = "budget=fixed:8,chunk_len=8,n_bswa_chunks=2,sink_len=2"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Intact folders: a KVM model, a plain Llama and the Llama converted, each with a tokenizer."""
+    root = tmp_path_factory.mktemp("intact")
+    torch.manual_seed(0)
+    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(root / "kvm")
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    llama.save_pretrained(root / "llama")
+    convert_hf(llama, budget=8, chunk_len=8, n_bswa_chunks=2, sink_len=2).save_pretrained(root / "converted")
+    for name in ("kvm", "llama", "converted"):
+        gpt2_hf_tokenizer().save_pretrained(root / name)
+    return root
+
+
+def damaged(src, dst, how, file="model.safetensors"):
+    """A copy of folder ``src`` whose ``file`` is damaged ``how``; returns (folder, damaged file)."""
+    shutil.copytree(src, dst)
+    (dst / file).write_bytes(DAMAGE[how]((dst / file).read_bytes()))
+    return dst, dst / file
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_corrupt_safetensors_is_one_error_naming_the_file_and_the_fix(saved, tmp_path, how):
+    d, file = damaged(saved / "kvm", tmp_path / "kvm", how)
+    with pytest.raises(CorruptWeightsError, match=rf"^{file} is corrupt or truncated \(.* bytes: .*\); delete it "
+                       r"and save the model again"):
+        KVMForCausalLM.from_pretrained(d)
+    c, cfile = damaged(saved / "converted", tmp_path / "converted", how)
+    with pytest.raises(CorruptWeightsError, match=rf"^{cfile} is corrupt"):
+        load_converted(c)
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_corrupt_pytorch_model_bin(saved, tmp_path, how):
+    d = tmp_path / "bin"
+    shutil.copytree(saved / "kvm", d)
+    torch.save(load_file(d / "model.safetensors"), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    assert isinstance(KVMForCausalLM.from_pretrained(d), KVMForCausalLM)         # the intact .bin loads
+    (d / "pytorch_model.bin").write_bytes(DAMAGE[how]((d / "pytorch_model.bin").read_bytes()))
+    with pytest.raises(CorruptWeightsError, match=rf"^{d / 'pytorch_model.bin'} is corrupt"):
+        KVMForCausalLM.from_pretrained(d)
+
+
+def test_corrupt_authors_checkpoint(tmp_path, capsys):
+    src = tmp_path / "ref"
+    build_tiny_reference_checkpoint(src)
+    convert_reference_checkpoint(src, tmp_path / "ours")
+    ours = tmp_path / "ours" / "model.safetensors"
+    ours.write_bytes(b"")
+    with pytest.raises(CorruptWeightsError, match=rf"^{ours} is corrupt"):
+        read_converted_checkpoint(tmp_path / "ours")
+    file = src / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(CorruptWeightsError, match=rf"^{file} is corrupt"):
+        KVMForCausalLM.from_pretrained(src)
+    with pytest.raises(CorruptWeightsError, match=rf"^{file} is corrupt"):
+        convert_reference_checkpoint(src, tmp_path / "dst")
+    fails(["convert", str(src), str(tmp_path / "dst")], capsys, f"{file} is corrupt or truncated")
+
+
+def test_a_fetched_folder_names_the_fetch_command(saved, tmp_path):
+    d, file = damaged(saved / "llama", tmp_path / "fetched", "truncated")
+    (d / "kvmeans_fetch.json").write_text(json.dumps({"name": "smollm2-135m"}))
+    from kvmeans.cli import load_model
+    from kvmeans.utils.cli import UsageError
+    with pytest.raises(UsageError, match=rf"^--model {d}: {file} is corrupt .*; fetch the model again: "
+                       r"kvmeans models fetch smollm2-135m --force$"):
+        load_model(str(d), torch.float32, "cpu")
+
+
+def test_other_load_errors_pass_unchanged(saved):
+    with pytest.raises(KeyError, match="not about the files"), named_weight_errors(saved / "kvm"):
+        raise KeyError("not about the files")
+    with pytest.raises(KeyError), named_weight_errors("some/hub-name"):       # not a folder: nothing is read
+        raise KeyError("x")
+
+
+def test_cli_commands_report_corrupt_weights_in_one_line(saved, tmp_path, capsys):
+    d, file = damaged(saved / "kvm", tmp_path / "kvm", "truncated")
+    fails(["generate", "--prompt", "hi", "--model", str(d)], capsys, f"--model {d}: {file} is corrupt")
+    fails(["eval", "memory", "--model", str(d), "--lengths", "8"], capsys, f"{file} is corrupt")
+    c, cfile = damaged(saved / "converted", tmp_path / "converted", "garbage")
+    fails(["generate", "--prompt", "hi", "--model", str(c)], capsys, f"{cfile} is corrupt")
+    p, pfile = damaged(saved / "llama", tmp_path / "llama", "empty")
+    fails(["generate", "--prompt", "hi", "--model", str(p), "--kvm", SMALL], capsys, f"{pfile} is corrupt")
+    fails(["eval", "ppl", "--model", str(p), "--length", "16", "--windows", "1", "--out", str(tmp_path / "o")],
+          capsys, f"--model {p}: {pfile} is corrupt")
+    fails(["distill", "--teacher", str(p), "--kvm", SMALL, "--out", str(tmp_path / "d")], capsys,
+          f"--teacher {p}: {pfile} is corrupt")
+
+
+def test_every_mixer_is_exported_by_kvmeans_layers():
+    import kvmeans.layers
+    from kvmeans.models.config import MIXERS, KVMModelConfig
+    from kvmeans.models.transformer import build_mixer
+    for kind in MIXERS:
+        mixer = build_mixer(KVMModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, mixer=kind), 0)
+        for cls in (type(mixer), type(mixer.config)):
+            assert cls.__name__ in kvmeans.layers.__all__ and getattr(kvmeans.layers, cls.__name__) is cls, kind
+    assert kvmeans.layers.RWKV7State.__module__ == "kvmeans.layers.rwkv7"
+
+
+@pytest.mark.parametrize("package", ["kvmeans"] + [m.name for m in pkgutil.walk_packages(kvmeans.__path__, "kvmeans.")
+                                                   if m.ispkg])
+def test_every_name_in_all_imports(package):
+    module = importlib.import_module(package)
+    names = getattr(module, "__all__", [])
+    assert len(names) == len(set(names)), f"{package}.__all__ repeats a name"
+    assert [n for n in names if not hasattr(module, n)] == []
