@@ -4,6 +4,9 @@ import importlib
 import json
 import pkgutil
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -18,6 +21,7 @@ from kvmeans.models.convert import (build_tiny_reference_checkpoint, convert_ref
 from kvmeans.models.convert_hf import convert_hf, load_converted  # noqa: E402
 from kvmeans.models.hf import KVMConfig, KVMForCausalLM  # noqa: E402
 from kvmeans.train.tokenizers import gpt2_hf_tokenizer  # noqa: E402
+from kvmeans.utils.io import atomic_dir, atomic_write  # noqa: E402
 from kvmeans.utils.weights import CorruptWeightsError, named_weight_errors  # noqa: E402
 from test_cli_errors import fails  # noqa: E402
 
@@ -119,6 +123,52 @@ def test_cli_commands_report_corrupt_weights_in_one_line(saved, tmp_path, capsys
           capsys, f"--model {p}: {pfile} is corrupt")
     fails(["distill", "--teacher", str(p), "--kvm", SMALL, "--out", str(tmp_path / "d")], capsys,
           f"--teacher {p}: {pfile} is corrupt")
+
+
+def _killed_mid_write(target, folder):
+    """Start a writer of ``target`` (an atomic_dir when ``folder``, else atomic_write) that stalls mid-write;
+    returns (process, its temp)."""
+    go = target.parent / f"{target.name}.started"
+    body = (f"with atomic_dir({str(target)!r}) as tmp:\n    (tmp / 'part').write_text('x'); open({str(go)!r}, 'w').close(); "
+            f"time.sleep(300)" if folder else f"atomic_write({str(target)!r}, lambda tmp: (open(tmp, 'w').write('x'), "
+            f"open({str(go)!r}, 'w').close(), time.sleep(300)))")
+    proc = subprocess.Popen([sys.executable, "-c", f"import time\nfrom kvmeans.utils.io import atomic_dir, atomic_write\n{body}"])
+    deadline = time.time() + 120
+    while not go.exists():
+        assert proc.poll() is None and time.time() < deadline, "the writer did not start"
+        time.sleep(0.05)
+    go.unlink()
+    (temp,) = target.parent.glob(f".{target.name}.*.tmp")
+    return proc, temp
+
+
+@pytest.mark.parametrize("folder", [True, False], ids=["atomic_dir", "atomic_write"])
+def test_a_write_removes_the_temps_killed_writers_of_its_target_left(tmp_path, folder):
+    target = tmp_path / "final"
+
+    def write():
+        if folder:
+            with atomic_dir(target) as tmp:
+                (tmp / "part").write_text("y")
+        else:
+            atomic_write(target, lambda tmp: open(tmp, "w").write("y"))
+
+    proc, temp = _killed_mid_write(target, folder)
+    others = [tmp_path / n for n in (".other.abc123.tmp", "final.abc123.tmp", ".final.abc123.tmp.keep",
+                                      ".final.a.b.tmp", ".finals.abc123.tmp", "notes.txt")]
+    for p in others:
+        p.write_text("not ours")
+    (tmp_path / ".final.link.tmp").symlink_to(others[-1])
+    try:
+        write()                                          # its writer is alive: the temp is in use
+        assert temp.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    write()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([p.name for p in others] + [".final.link.tmp", "final"])
+    assert all(p.read_text() == "not ours" for p in others)
+    assert (target / "part" if folder else target).read_text() == "y"
 
 
 def test_every_mixer_is_exported_by_kvmeans_layers():
