@@ -171,6 +171,26 @@ def test_a_write_removes_the_temps_killed_writers_of_its_target_left(tmp_path, f
     assert (target / "part" if folder else target).read_text() == "y"
 
 
+def test_a_one_token_call_without_a_gate_reuses_one_ones_tensor(monkeypatch):
+    from kvmeans import kvm_attention
+    from kvmeans.ops import kvm as kvm_mod
+    seen = []
+    for name in ("recurrent_kvm_attention", "chunk_kvm_attention"):
+        real = getattr(kvm_mod, name)
+        monkeypatch.setattr(kvm_mod, name, lambda *a, real=real, **kw: seen.append(a[3]) or real(*a, **kw))
+    q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    _, state = kvm_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], chunk_len=4, budget=4, return_state=True)
+    with torch.inference_mode():                     # decode steps (the first one makes the shared ones)
+        for _ in range(2):
+            y = kvm_attention(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], chunk_len=4, budget=4, initial_state=state.clone())
+        ones = kvm_attention(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], torch.ones(1, 2, 1), chunk_len=4, budget=4,
+                             initial_state=state.clone())
+    assert seen[1] is seen[2] and torch.equal(seen[1], torch.ones(1, 2, 1)) and torch.equal(y, ones)
+    qg = q[:, :, 8:].clone().requires_grad_()        # a one-token call under autograd uses it too
+    kvm_attention(qg, k[:, :, 8:], v[:, :, 8:], chunk_len=4, budget=4, backend="chunked").sum().backward()
+    assert seen[-1] is seen[1] and not seen[1].is_inference() and torch.isfinite(qg.grad).all()
+
+
 def test_every_mixer_is_exported_by_kvmeans_layers():
     import kvmeans.layers
     from kvmeans.models.config import MIXERS, KVMModelConfig

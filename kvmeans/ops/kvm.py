@@ -132,6 +132,8 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     if backend == "recurrent" and needs_grad and numerics != "reference":
         raise ValueError("backend='recurrent' is an inference path (in-place buffers, no autograd); use "
                          "backend='chunked' or call it under torch.no_grad()")
+    if gate is None:                    # a one-token call (decode) shares one ones tensor per shape
+        gate = _ones((B, Hkv, 1), compute, q.device) if T == 1 else q.new_ones(B, Hkv, T, dtype=compute)
     args = [_cast(t, compute) for t in (q, k, v, gate)]
     if attn == "triton" and numerics != "reference":
         kwargs["attn"] = attn
@@ -219,7 +221,7 @@ def _check_tensors(q, k, v):
 
 def _check_gate(gate, q, B, Hkv, T):
     if gate is None:
-        return torch.ones(B, Hkv, T, dtype=q.dtype, device=q.device)
+        return None
     if not isinstance(gate, Tensor):
         raise TypeError(f"gate must be a tensor [B, Hkv, T] or None, got {type(gate).__name__}")
     if gate.dim() == 4 and gate.shape[-1] == 1:
@@ -330,8 +332,8 @@ def _check_budget_against_state(budget, state, chunk_len):
 
 @functools.lru_cache(maxsize=64)
 def _ones(size, dtype, device):
-    """The default temperatures ``ones(size)``, one read-only tensor per (size, dtype, device); made outside
-    inference mode so that a later call under autograd may use it."""
+    """The default temperatures and one-token gates ``ones(size)``, one read-only tensor per (size, dtype,
+    device); made outside inference mode so that a later call under autograd may use it."""
     with torch.inference_mode(False):
         return torch.ones(size, dtype=dtype, device=device)
 
