@@ -61,6 +61,15 @@ def test_most_novel_first_within_the_cap():
     torch.testing.assert_close(st.rows()[0][0, 0, 4], kbar(h("w")) + kbar(MIXED[0]))
 
 
+def test_novelty_counts_the_sinks_merges_skip_them():
+    q, k, v = hand_built(h(0), h("w"), h(2), h(3))      # token 4 copies the sink row: not novel, merges elsewhere
+    _, st = grow(q, k, v, 0.5, 64)
+    kbar = lambda x: torch.nn.functional.layer_norm(x, (D,), eps=1e-5)
+    assert st.row_count.tolist() == [[5]]
+    torch.testing.assert_close(st.rows()[0][0, 0, 0], kbar(h(0)))                 # the sink is untouched
+    torch.testing.assert_close(st.rows()[0][0, 0, 1], kbar(h(1)) + kbar(h(0)))    # all scores tie: lowest non-sink
+
+
 def test_cap_respected_and_threshold_two_never_grows():
     q, k, v = hand_built(*MIXED)
     for threshold, cap in ((0.5, 4), (2.0, 64)):
