@@ -251,3 +251,48 @@ def test_batch_rows_independent(backend):
             for name, a, c in zip(("keys", "values", "radii"), sb.rows(), st.rows()):
                 assert_close(f"{name}[{b}]", a, c[b:b + 1, :, :m], 1e-10)
                 assert c[b:b + 1, :, m:].eq(0).all()
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
+def test_carried_state_under_autograd(case):
+    """Two chunked calls under autograd (the second differentiates through the carried rows) == one naive call."""
+    T = case[0]
+    ref = outputs_and_grads("naive", case)
+    inputs = inputs_for(case, requires_grad=True)
+    y0, st = call(inputs, 0, 19, case, backend="chunked")
+    y1, st = call(inputs, 19, T, case, st, backend="chunked")
+    y = torch.cat([y0, y1], 2)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    rows = st.rows()
+    loss = (y * dy).sum() + 0.3 * rows[0].sum() + 0.1 * rows[1].pow(2).sum() + 0.2 * rows[2].sum()
+    grads = torch.autograd.grad(loss, [inputs[k] for k in NAMES], allow_unused=True, materialize_grads=True)
+    assert_close("y", ref[0], y, 1e-10)
+    assert_same_state(ref[1], st)
+    for name, a, b in zip(NAMES, ref[2], grads):
+        assert_close("d" + name, a, b, 1e-10)
+
+
+def test_from_pretrained_with_a_novelty_budget(tmp_path):
+    """The schedule override selects growth on a saved model: cached decode == one forward, rows per kv head."""
+    pytest.importorskip("transformers")
+    from kvmeans.models import KVMLanguageModel, KVMModelConfig
+    from kvmeans.models.hf import KVMForCausalLM
+    from kvmeans.utils.testing import perturb_identity_init
+    torch.manual_seed(0)
+    lm = KVMLanguageModel(KVMModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, chunk_len=8,
+                                         n_bswa_chunks=2, budget={"kind": "fixed", "n": 16}))
+    perturb_identity_init(lm)
+    KVMForCausalLM.from_language_model(lm).save_pretrained(tmp_path / "m")
+    model = KVMForCausalLM.from_pretrained(tmp_path / "m", budget="novelty:0.5:24").eval()
+    ids = torch.randint(0, 64, (2, 90), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits
+        out = model(ids[:, :70], use_cache=True)
+        steps = [out.logits]
+        for t in range(70, 90):
+            out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    cache = out.past_key_values.groups[0].cache
+    counts = torch.stack([st.row_count for st, m in zip(cache.layers, cache.mixers) if m == "kvm"])
+    assert counts.min() >= 8 and counts.max() <= 24 and counts.unique().numel() > 1
