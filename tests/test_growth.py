@@ -96,8 +96,6 @@ def test_entry_refuses_cap_below_chunk_and_unsupported_paths():
     q, k, v = hand_built(*MIXED)
     with pytest.raises(ValueError, match="cap=3 is below the initial state of chunk_len=4"):
         grow(q, k, v, 0.5, 3)
-    with pytest.raises(ValueError, match="backend='triton' does not support a novelty budget"):
-        grow(q, k, v, 0.5, 8, backend="triton")
     with pytest.raises(ValueError, match="numerics='reference' does not support a novelty budget"):
         grow(q, k, v, 0.5, 8, numerics="reference")
     _, st = grow(q, k, v, 0.5, 8)

@@ -287,7 +287,8 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
     M = rows_at[cb - 1]
     tri = attn == "triton"
     tri_args = (kw, vw, max(w0, (ca + 1 - n) * C), state_temp, bswa_temp)
-    tri_geo = dict(C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale, saved=saved, with_lse=with_lse)
+    tri_geo = dict(C=C, n=n, t0=t0, t1=t1, rows_at=rows_at, scale=scale, saved=saved, with_lse=with_lse,
+                   counts=counts)
     if tri and not M:
         return _triton_group(ca, cb, q, None, None, *tri_args, **tri_geo)
     if not tri:
@@ -368,11 +369,13 @@ def _poison_chunks(y: Tensor, stale) -> Tensor:
 
 
 def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_temp, *, C, n, t0, t1, rows_at, scale,
-                  saved=None, with_lse=False):
+                  saved=None, with_lse=False, counts=None):
     """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, qb - qa, D]`` from position ``qa``,
-    snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``."""
+    snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``; ``counts`` (novelty
+    budget): the rows each (b, kv head) sees per chunk, ``[B, Hkv, chunks]``."""
     from .triton.attention import chunk_attention, chunk_attention_fwd
-    rows = None if k_hat is None else torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device)
+    rows = None if k_hat is None else (
+        torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device) if counts is None else counts[:, :, ca:cb])
     fn = chunk_attention_fwd if with_lse else partial(chunk_attention, saved=saved)
     return fn(q, k_hat, v_hat, rows, kw, vw, state_temp, bswa_temp, q_start=max(ca * C, t0), q_lo=max(ca * C, t0),
               q_hi=min(cb * C, t1), k_start=k_start, chunk_len=C, n_bswa_chunks=n, scale=scale)

@@ -118,9 +118,10 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
                   gate_values=gate_values, gate_appends=gate_appends)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
-    if is_data_dependent(budget_fn):     # the torch paths, on every device (the Triton kernels: not yet)
+    if is_data_dependent(budget_fn):     # auto: the torch paths (the kernels' self-check covers positional budgets)
         _check_novelty_backend(backend, numerics)
-        attn = "torch"
+        attn, backend = ("torch", backend) if backend != "triton" else _kernels(backend, q.device, q.dtype, compute,
+                                                                               numerics)
     else:
         attn, backend = _kernels(backend, q.device, q.dtype, compute, numerics)
     if state.schedule is not None:      # a ragged batch (rows at different positions): kvmeans.ops.ragged
@@ -171,11 +172,8 @@ def _kernels(backend, device, dtype, compute, numerics):
 
 
 def _check_novelty_backend(backend, numerics):
-    """Data-dependent growth runs on the torch paths only: "auto" takes them (never Triton), "triton" and
-    reference numerics are refused."""
-    if backend == "triton":
-        raise ValueError("backend='triton' does not support a novelty budget (rows per kv head) yet; use "
-                         "backend='auto', 'chunked' or 'recurrent' (torch)")
+    """Data-dependent growth: "auto" takes the torch paths (never Triton), "triton" forces the kernels; reference
+    numerics are refused."""
     if numerics == "reference":
         raise ValueError("numerics='reference' does not support a novelty budget; use numerics='exact' or 'mixed'")
 

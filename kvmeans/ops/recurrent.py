@@ -283,6 +283,8 @@ def _attend_triton(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bsw
     t = q.shape[2]
     wk, wv, k_hat, v_hat, seen_bad = _operands(state, ln, q_start, t, state.window_keys, state.window_values)
     lengths = _decode_lengths(state, 0 if k_hat is None else state.num_rows, state.window_len, t)
+    if k_hat is not None and state.row_count is not None:   # novelty growth: [B, Hkv, 2], rows per (b, kv head)
+        lengths = torch.stack([state.row_count.to(torch.int32), lengths[1].expand(state.row_count.shape)], -1)
     y = decode_attention(q, k_hat, v_hat, wk, wv, lengths, state_temp, bswa_temp, scale)
     return poison(y, *seen_bad)
 

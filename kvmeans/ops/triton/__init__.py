@@ -3,6 +3,8 @@
 Importing this package does not import Triton: the kernels live in :mod:`.attention` and
 :mod:`.decode`, imported on first use, so ``kvmeans.ops.kvm`` can ask :func:`available` cheaply.
 See ``kvmeans/ops/triton/README.md`` for the kernels, their grids and how they are tested.
+Row counts per (sequence, kv head) (a ``StateBudget.novelty`` budget, ``backend="triton"`` only) are verified in
+the interpreter only: no GPU run yet, and ``backend="auto"`` keeps such budgets on the torch paths.
 """
 from __future__ import annotations
 
