@@ -11,7 +11,7 @@ from kvmeans.ops.triton import available, unavailable_reason  # noqa: E402
 from kvmeans.ops.triton import attention as tri_attn        # noqa: E402
 from kvmeans.ops.triton import decode as tri_decode         # noqa: E402
 from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs  # noqa: E402
-from test_growth import CASES, NAMES, assert_same_state, call, case_id  # noqa: E402
+from test_growth import CASES, NAMES, assert_same_state, call, case_id, rows_in_use  # noqa: E402
 
 DEV = torch.device("cpu" if tri_attn.INTERPRETED else "cuda")
 if not available(DEV):
@@ -113,3 +113,46 @@ def test_triton_split_points_match_naive():
             y1, s = call(inputs, t0, T, case, s, backend="triton")
             assert_close(f"y split at {t0}", y_ref, torch.cat([y0, y1], 2), TOL)
             assert_same_state(s_ref, s, TOL)
+
+
+# ---- ragged decode: rows at different positions advance in one call per step -------------------------------------
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_ragged_decode_matches_naive_per_row(backend, monkeypatch):
+    """Rows prefilled alone to distinct lengths (first chunk, inactive and active states, grown apart per kv head),
+    stacked into one ragged state (row_count kept), then one token per row per call: every row's outputs, rows,
+    row counts and window equal its own naive run. ``auto`` reads with the torch masks, ``triton`` with the decode
+    kernel and ``lengths [B, Hkv, 2]``."""
+    import kvmeans.ops.ragged as ragged_mod
+    from kvmeans.ops.state import KVMState
+    case, lengths, steps = CASES[2], [3, 8, 16, 23], 12
+    inputs = inputs_for(case, B=len(lengths))
+    row = lambda b, lo, hi: {k: (x[b:b + 1, :, lo:hi] if k in ("q", "k", "v", "gate") else x) for k, x in inputs.items()}
+    with torch.no_grad():
+        solos = [call(row(b, 0, L), 0, L, case, backend="chunked")[1] for b, L in enumerate(lengths)]
+        ragged = KVMState.stack(solos)
+        assert ragged.schedule is not None and ragged.row_count.shape == (len(lengths), case[7])
+        reads = []
+        real_attend, real_decode = ragged_mod._attend, tri_decode.decode_attention
+        monkeypatch.setattr(ragged_mod, "_attend", lambda *a: reads.append(a[-1]) or real_attend(*a))
+        monkeypatch.setattr(tri_decode, "decode_attention", lambda *a: reads.append(a[5]) or real_decode(*a))
+        ys = []
+        for t in range(steps):
+            step = {k: (torch.stack([x[b, :, L + t] for b, L in enumerate(lengths)]).unsqueeze(2)
+                        if k in ("q", "k", "v", "gate") else x) for k, x in inputs.items()}
+            ys.append(call(step, 0, 1, case, ragged, backend=backend)[0])
+    y = torch.cat(ys, 2)
+    parts = {b: (part, j) for rows, part in ragged.split() for j, b in enumerate(rows.tolist())}
+    for b, L in enumerate(lengths):
+        y_ref, s_ref = call(row(b, 0, L + steps), 0, L + steps, case, backend="naive")
+        assert_close(f"y[{b}]", y_ref[:, :, L:], y[b:b + 1], TOL)
+        part, j = parts[b]
+        assert torch.equal(part.row_count[j:j + 1], rows_in_use(s_ref))
+        m, w = s_ref.num_rows, s_ref.window_len
+        assert (part.seen_tokens, part.num_rows, part.coverage) == (s_ref.seen_tokens, m, s_ref.coverage)
+        for name, a, c in zip(("keys", "values", "radii"), s_ref.rows(), part.rows()):
+            assert_close(f"{name}[{b}]", a, c[j:j + 1, :, :m], TOL)
+        for name, a, c in zip(("wkeys", "wvalues", "wgates"), s_ref.window(), part.window()):
+            assert_close(f"{name}[{b}]", a, c[j:j + 1, :, :w], TOL)
+    assert len(reads) == steps and all(r is not None and r.shape[:2] == ragged.row_count.shape for r in reads)
+    assert (ragged.row_count.amax(1) > ragged.row_count.amin(1)).any(), "kv heads should grow apart"
+

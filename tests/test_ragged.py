@@ -151,7 +151,8 @@ def test_stack_split_and_select_keep_each_row():
 # ---- KVMForCausalLM.generate -------------------------------------------------------------------------
 MODEL_BUDGETS = {"fixed": {"kind": "fixed", "n": 16},
                  "sqrt": {"kind": "power_law", "factor": 4.0, "exponent": 0.5, "min_len": 8},
-                 "saturating": {"kind": "saturating", "n": 24, "min_len": 8}}
+                 "saturating": {"kind": "saturating", "n": 24, "min_len": 8},
+                 "novelty": {"kind": "novelty", "threshold": 0.4, "n": 20}}     # row counts per kv head
 
 
 @pytest.mark.parametrize("budget", list(MODEL_BUDGETS))

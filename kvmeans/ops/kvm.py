@@ -44,8 +44,9 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
             a fixed budget must be ``>= chunk_len``, the rows of the initial chunk) or a callable
             ``ctx_len -> rows`` (a finite int; values below the current rows keep them: the state never shrinks).
             ``StateBudget.novelty(threshold, cap)`` grows the rows by the data, per sequence and kv head
-            (``state.row_count``; cap ``>= chunk_len``); it runs on the torch paths only: ``backend="auto"`` takes
-            them on every device, ``"triton"`` and ``numerics="reference"`` raise.
+            (``state.row_count``; cap ``>= chunk_len``): ``backend="auto"`` takes the torch paths on every device,
+            ``"triton"`` forces the kernels (verified in Triton's CPU interpreter only), ``numerics="reference"``
+            raises.
         state_norm_weight, state_norm_bias: ``[D]`` affine of LN_s (None: no affine). state_norm_eps: its eps.
         state_temp, bswa_temp: ``[H]`` inverse temperatures of state keys / window keys (None: 1).
         value_radius: False is the ablation that reads state values as running means.

@@ -10,7 +10,8 @@ one batched step, with the recurrent path's maths row by row:
   :func:`~kvmeans.ops.recurrent.absorb` on a one-row view of the buffers (once per ``chunk_len`` tokens a row);
 * the attention reads every row's ``[state rows ; window]`` at once with per-row masks (state rows
   ``>= rows[b]``, all of them while row ``b``'s state is inactive, window slots ``>= window_len[b]``): a
-  softmax over masked scores, or the Triton decode kernel with per-row lengths (``attn="triton"``).
+  softmax over masked scores, or the Triton decode kernel with per-row lengths (``attn="triton"``). A
+  novelty budget (``state.row_count``) masks per (row, kv head): rows ``>= row_count[b, h]`` as well.
 
 The read-out state (LN_s keys, radius-scaled values) is cached per batch and recomputed for a row only after
 its rows changed. Anything else (several tokens per call, autograd, a backend other than auto / recurrent /
@@ -27,6 +28,7 @@ from typing import Callable, List, Set, Tuple
 import torch
 from torch import Tensor
 
+from .budget import is_data_dependent
 from .recurrent import absorb
 from .routing import memory_keys, readout
 from .schedule import bswa_begin
@@ -51,6 +53,8 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
     filling = [b for b in range(B) if seen[b] < C]                               # the token becomes a row
     # capacity for the whole step up front: the one-row views below write into these buffers
     _reserve(state, max(rows) + (C if moving else 1), max(e - w for e, w in zip(ends, starts)))
+    if is_data_dependent(budget) and state.row_count is None:       # rows per (row, kv head) from now on
+        state.row_count = torch.tensor(rows, device=q.device).view(B, 1).repeat(1, k.shape[1])
     every, slot = _slots(sched.seen, C, n, q.device)
     state.window_keys[every, :, slot] = k[:, :, 0]
     state.window_values[every, :, slot] = v[:, :, 0]
@@ -64,6 +68,8 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
         state.radii[f, :, at] = vals.norm(dim=-1) if state.value_radius else 1
         for b in filling:
             rows[b], cov[b] = rows[b] + 1, cov[b] + 1
+        if state.row_count is not None:
+            state.row_count[f] += 1
     for b in moving:
         one = _row_view(state, b, seen[b], rows[b], cov[b])
         absorb(one, one.window_keys, one.window_values, one.window_gates, starts[b], ends[b], budget, ln,
@@ -73,19 +79,26 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
         for buf in (one.window_keys, one.window_values, one.window_gates):
             buf[:, :, :keep] = buf[:, :, drop:drop + keep].clone()
         rows[b], cov[b] = one.num_rows, one.coverage
+        if state.row_count is not None:                 # absorb replaces the view's counts
+            state.row_count[b:b + 1] = one.row_count
     state.set_schedule(RowSchedule(tuple(ends), tuple(rows), tuple(cov)))
     win = tuple(e - a for e, a in zip(ends, after))
     visible = tuple(r if a > 0 else 0 for r, a in zip(rows, after))             # an inactive state: no rows
     j = _read_out(state, ln, visible, filling + moving)
     R, M, W = j.R, j.M, max(win)
+    lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()     # [B, 2]
+    per_head = None         # novelty growth: rows visible per (row, kv head), [B, Hkv]
+    if state.row_count is not None:
+        per_head = torch.where(lengths[:, :1] > 0, state.row_count, 0).to(torch.int32)
     if attn == "triton":
         from .triton.decode import decode_attention
-        lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()
+        if per_head is not None:
+            lengths = torch.stack([per_head, lengths[:, 1:].expand_as(per_head)], -1)     # [B, Hkv, 2]
         y = decode_attention(q, j.keys[:, :, R - M:R] if M else None, j.values[:, :, R - M:R] if M else None,
                              state.window_keys, state.window_values, lengths, state_temp, bswa_temp, scale)
     else:
         y = _attend(q, j.keys[:, :, R - M:R + W], j.values[:, :, R - M:R + W], M, visible, win, state_temp,
-                    bswa_temp, scale)
+                    bswa_temp, scale, per_head)
     return y, state
 
 
@@ -167,7 +180,8 @@ def _row_view(state: KVMState, b: int, seen: int, rows: int, coverage: int) -> K
     return KVMState(*(getattr(state, name)[b:b + 1] for name in KVMState._TENSORS), num_rows=rows,
                     seen_tokens=seen, coverage=coverage, chunk_len=state.chunk_len,
                     n_bswa_chunks=state.n_bswa_chunks, sink_len=state.sink_len, rope_dim=state.rope_dim,
-                    value_radius=state.value_radius)
+                    value_radius=state.value_radius,
+                    row_count=None if state.row_count is None else state.row_count[b:b + 1])
 
 
 @lru_cache(maxsize=8)
@@ -187,9 +201,11 @@ def _bias(visible: Tuple[int, ...], win: Tuple[int, ...], M: int, W: int, dtype,
     return bias.masked_fill_(~(seen_rows | seen_window), -math.inf).view(len(win), 1, 1, M + W)
 
 
-def _attend(q: Tensor, keys: Tensor, values: Tensor, M: int, visible, win, state_temp, bswa_temp, scale) -> Tensor:
+def _attend(q: Tensor, keys: Tensor, values: Tensor, M: int, visible, win, state_temp, bswa_temp, scale,
+            per_head=None) -> Tensor:
     """One query per row and head over ``keys / values [B, Hkv, M + W, D|Dv]`` (``M`` read-out rows, then the
-    window) with each row's visible rows and window; returns ``[B, H, 1, Dv]``."""
+    window) with each row's visible rows and window (``per_head [B, Hkv]``: visible rows per row and kv head);
+    returns ``[B, H, 1, Dv]``."""
     B, H, _, D = q.shape
     Hkv = keys.shape[1]
     group = lambda x: x.view(1, Hkv, H // Hkv, 1)                       # per head, query heads of a kv head together
@@ -197,6 +213,9 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, M: int, visible, win, state
     scores[..., :M] *= group(state_temp)                                 # temperatures on the scores
     scores[..., M:] *= group(bswa_temp)
     scores += _bias(visible, win, M, keys.shape[2] - M, scores.dtype, q.device)
+    if per_head is not None:
+        scores[..., :M].masked_fill_((torch.arange(M, device=q.device) >= per_head.unsqueeze(-1)).unsqueeze(2),
+                                     -math.inf)
     return (torch.softmax(scores, -1) @ values).view(B, H, 1, -1)   # one softmax over [state ; window]
 
 

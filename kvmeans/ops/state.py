@@ -268,9 +268,6 @@ class KVMState(BatchedState):
         """One state holding the rows of ``states`` in order (plain or ragged, same configuration, dtype and
         device; ``extras`` tensors concatenated); ragged unless every row stands at one position."""
         first = states[0]
-        if any(st.row_count is not None for st in states):
-            raise ValueError("KVMState.stack: states grown by a novelty budget (row_count set) cannot be stacked "
-                             "into a ragged batch yet; run their sequences separately")
         config = ("chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "value_radius")
         for st in states[1:]:
             for name in config:
@@ -298,6 +295,9 @@ class KVMState(BatchedState):
         out.extras = {k: torch.cat([st.extras[k] for st in states]) if isinstance(v, Tensor) else copy.deepcopy(v)
                       for k, v in first.extras.items()}
         parts = [st.row_schedule() for st in states]
+        if any(st.row_count is not None for st in states):     # novelty growth: rows in use per (sequence, kv head)
+            out.row_count = torch.cat([st.row_count if st.row_count is not None else torch.tensor(
+                p.rows, device=first.device).view(-1, 1).expand(-1, Hkv) for st, p in zip(states, parts)])
         out.set_schedule(RowSchedule(*(sum((getattr(p, f) for p in parts), ()) for f in ("seen", "rows", "coverage"))))
         return out
 
