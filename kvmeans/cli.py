@@ -92,6 +92,7 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
     import json
 
     from .models.convert import REFERENCE_MODEL_TYPE
+    from .models.config import with_budget
     from .models.convert_hf import CONFIG_KEY, convert_hf, load_converted
     from .models.hf import KVMConfig, KVMForCausalLM
     from .utils.weights import named_weight_errors
@@ -100,6 +101,11 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
             raw = json.load(f)
     except (OSError, ValueError) as err:
         raise UsageError(f"--model {model_dir}: cannot read config.json ({err})") from None
+    if "model_type" not in raw:
+        final = os.path.join(model_dir, "final")
+        hint = (f"a training run's folder: its model is {final}" if os.path.isfile(os.path.join(final, "config.json"))
+                else "give the folder of a saved model (e.g. OUT/final of kvmeans train)")
+        raise UsageError(f"--model {model_dir}: config.json has no model_type, so it is no saved model; {hint}")
     native = raw.get("model_type") in (KVMConfig.model_type, REFERENCE_MODEL_TYPE)
     if kvm is not None and (native or raw.get(CONFIG_KEY)):
         why = "is a KVM model already" if native else f"is converted already (config.json {CONFIG_KEY})"
@@ -107,6 +113,12 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
     if budget is not None and not native:
         raise UsageError(f"--budget: {model_dir} is not a KVM-native model (model_type {raw.get('model_type')!r}); "
                          "a plain transformers model takes its schedule from --kvm budget=SPEC")
+    if budget is not None:              # checked against the saved model's settings before it loads
+        from transformers import AutoConfig
+        try:
+            with_budget(AutoConfig.from_pretrained(model_dir).to_model_config(), budget)
+        except ValueError as err:
+            raise UsageError(f"--budget: {err}") from None
     try:
         if native:
             model = KVMForCausalLM.from_pretrained(model_dir, dtype=dtype, **({} if budget is None else
@@ -229,6 +241,9 @@ def _convert(argv: List[str]) -> int:
     a = p.parse_args(argv)
     if not os.path.isdir(a.src):
         raise UsageError(f"SRC {a.src}: not a directory; give the authors' checkpoint folder")
+    if not os.path.isfile(os.path.join(a.src, "config.json")):
+        raise UsageError(f"SRC {a.src}: no config.json in it; give the authors' checkpoint folder "
+                         "(config.json and model.safetensors)")
     check_out_dir("DST", a.dst)
     try:
         import safetensors  # noqa: F401

@@ -104,7 +104,7 @@ def test_errors(tmp_path):
     path, _ = saved(tmp_path / "k")
     with pytest.raises(ValueError, match="fixed 4 rows would shrink the state below the initial state of chunk_len=8"):
         KVMForCausalLM.from_pretrained(path, budget=4)
-    with pytest.raises(UsageError, match="--model .*: budget override: fixed 4 rows"):
+    with pytest.raises(UsageError, match="^--budget: budget override: fixed 4 rows"):
         load_model(str(path), torch.float32, "cpu", budget=4)
 
 

@@ -125,6 +125,29 @@ def test_cli_commands_report_corrupt_weights_in_one_line(saved, tmp_path, capsys
           f"--teacher {p}: {pfile} is corrupt")
 
 
+def test_first_mistakes_on_the_command_line_are_one_line_naming_the_argument(saved, tmp_path, capsys):
+    kvm = str(saved / "kvm")
+    fails(["generate", "--prompt", "hi", "--model", kvm, "--budget", "0"], capsys, "--budget: ", "must be >= 1, got 0")
+    fails(["eval", "niah", "--model", kvm, "--budget", "2"], capsys,
+          "--budget: budget override: fixed 2 rows would shrink the state", "use at least 256")
+    run = tmp_path / "run"                               # a training run's OUT instead of OUT/final
+    (run / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": {"preset": "tiny-cpu"}}))
+    fails(["eval", "memory", "--model", str(run), "--lengths", "8"], capsys,
+          f"--model {run}: config.json has no model_type", "give the folder of a saved model")
+    shutil.copy(saved / "kvm" / "config.json", run / "final")
+    fails(["eval", "memory", "--model", str(run), "--lengths", "8"], capsys,
+          f"a training run's folder: its model is {run / 'final'}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fails(["convert", str(empty), str(tmp_path / "dst")], capsys, f"SRC {empty}: no config.json in it")
+    fails(["eval", "ppl", "--model", str(empty)], capsys, f"--model {empty}: no config.json there")
+    fails(["bench", "pretrained", "--model", str(empty), "--out", str(tmp_path / "b")], capsys,
+          f"--model {empty}: no config.json there")
+    fails(["distill", "--teacher", kvm, "--kvm", SMALL, "--out", str(tmp_path / "d")], capsys,
+          f"--teacher {kvm} is a KVM-native model")
+
+
 def _killed_mid_write(target, folder):
     """Start a writer of ``target`` (an atomic_dir when ``folder``, else atomic_write) that stalls mid-write;
     returns (process, its temp)."""

@@ -415,7 +415,7 @@ def _check(p, a) -> None:
     if a.sinks < 0 or a.ppl_keys <= a.sinks:
         p.error(f"need 0 <= --sinks < --ppl-keys, got {a.sinks} and {a.ppl_keys}")
     if not (Path(a.model) / "config.json").is_file():
-        p.error(f"--model {a.model}: no config.json there; give a transformers model folder")
+        raise UsageError(f"--model {a.model}: no config.json there; give a transformers model folder")
     for path in a.kvpress_results or []:
         if not Path(path).is_file():
             p.error(f"--kvpress-results {path}: no such file; run benchmarks/kvpress/run_kvpress.py first")

@@ -215,8 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"need --length >= 2 and --windows >= 1, got {a.length} and {a.windows}")
     kvm = parse_kvm_arg(a.kvm)
     if not (Path(a.model) / "config.json").is_file():
-        p.error(f"--model {a.model}: no config.json there; give an HF model folder "
-                "(`kvmeans models fetch smollm2-135m` prints one)")
+        raise UsageError(f"--model {a.model}: no config.json there; give an HF model folder "
+                         "(`kvmeans models fetch smollm2-135m` prints one)")
     saved = _saved_conversion(a.model, kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.convert import OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE
 from ..models.convert_hf import CONFIG_KEY, KVMSpec, _attention_layers, convert_hf, parse_kvm_spec
 from ..utils.io import atomic_dir, atomic_write_file
 from ..utils.weights import CorruptWeightsError, named_weight_errors
@@ -201,6 +202,10 @@ class Distiller:
         if not (Path(cfg.teacher) / "config.json").is_file():
             raise ConfigError(f"--teacher {cfg.teacher}: no config.json there; give a transformers model folder "
                               "(e.g. from `kvmeans models fetch smollm2-135m`)")
+        teacher_type = json.loads((Path(cfg.teacher) / "config.json").read_text()).get("model_type")
+        if teacher_type in (OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE):
+            raise ConfigError(f"--teacher {cfg.teacher} is a KVM-native model; distill converts a plain transformers "
+                              "model (e.g. from `kvmeans models fetch smollm2-135m`)")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
         source = "shakespeare" if cfg.data == ["shakespeare"] else list(cfg.data)
         try:
