@@ -86,12 +86,13 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
     visible = tuple(r if a > 0 else 0 for r, a in zip(rows, after))             # an inactive state: no rows
     j = _read_out(state, ln, visible, filling + moving)
     R, M, W = j.R, j.M, max(win)
-    lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()     # [B, 2]
     per_head = None         # novelty growth: rows visible per (row, kv head), [B, Hkv]
     if state.row_count is not None:
-        per_head = torch.where(lengths[:, :1] > 0, state.row_count, 0).to(torch.int32)
+        active = torch.tensor(visible, device=q.device).view(B, 1) > 0
+        per_head = torch.where(active, state.row_count, 0).to(torch.int32)
     if attn == "triton":
         from .triton.decode import decode_attention
+        lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()     # [B, 2]
         if per_head is not None:
             lengths = torch.stack([per_head, lengths[:, 1:].expand_as(per_head)], -1)     # [B, Hkv, 2]
         y = decode_attention(q, j.keys[:, :, R - M:R] if M else None, j.values[:, :, R - M:R] if M else None,
