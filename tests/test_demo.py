@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvmeans import demo
+from kvmeans.eval.synthetic import KEY, multikey_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,3 +161,28 @@ def test_recall_table_gives_mean_and_range_over_seeds_or_the_one_seed():
         res = dict(lengths=[128], seeds=[r["seed"] for r in runs], models=demo.summarize(runs, ["bswa"], [128]))
         table = demo.format_table(res)
         assert cell in table and note in table
+
+
+def test_task_choice_and_unknown_task_refused(tmp_path, monkeypatch, capsys):
+    assert demo.demo_settings()["task"] == "passkey"
+    for task in demo.TASKS:
+        s = demo.demo_settings(task=task)
+        x, y = demo.make_batch(s, 2, s["train_len"] * 2, seed=0)
+        assert x.shape == y.shape == (2, 2 * s["train_len"]) and (y != -100).any()
+    s = demo.demo_settings(task="multikey")
+    x, y = demo.make_batch(s, 3, 1024, seed=5)
+    want = multikey_batch(3, 1024, 5, pair_every=s["pair_every"], num_queries=s["num_queries"], vocab_size=64)
+    assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+    assert (x == KEY).sum(1).tolist() == [1024 // s["pair_every"] + s["num_queries"]] * 3   # needles grow with length
+    with pytest.raises(ValueError, match="task='niah': choose one of passkey, multikey, mqar"):
+        demo.demo_settings(task="niah")
+    with pytest.raises(ValueError, match="task='niah': choose one of"):
+        demo.make_batch({**s, "task": "niah"}, 1, 128, seed=0)
+
+    seen = {}
+    monkeypatch.setattr(demo, "run_demo", lambda out, **kw: seen.update(kw))
+    assert demo.main(["--task", "multikey", "--out", str(tmp_path)]) == 0 and seen["task"] == "multikey"
+    assert demo.main(["--out", str(tmp_path)]) == 0 and seen["task"] == "passkey"
+    with pytest.raises(SystemExit):
+        demo.main(["--task", "niah"])
+    assert "invalid choice: 'niah'" in capsys.readouterr().err

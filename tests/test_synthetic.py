@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from kvmeans.eval.synthetic import (KEY, NUM_DIGITS, NUM_SPECIAL, SEP, VAL, accuracy_by_depth, accuracy_grid,
-                                    mqar_batch, passkey_batch, passkey_needle_len, plot_heatmap, recall_accuracy)
+                                    mqar_batch, multikey_batch, passkey_batch, passkey_needle_len, plot_heatmap,
+                                    recall_accuracy)
 
 
 # ---------------------------------------------------------------- determinism
@@ -106,6 +107,65 @@ def test_passkey_random_depth_and_budget():
         passkey_batch(1, 30, seed=0, depth=1.5)
 
 
+# ---------------------------------------------------------------- multi-key passkey
+def test_multikey_deterministic():
+    a = multikey_batch(4, 64, seed=3, pair_every=16)
+    b = multikey_batch(4, 64, seed=3, pair_every=16)
+    c = multikey_batch(4, 64, seed=4, pair_every=16)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+
+
+@pytest.mark.parametrize("T,every,Q,K,D,V", [(128, 32, 1, 1, 3, 64), (128, 32, 4, 1, 3, 64), (1024, 16, 4, 1, 3, 128),
+                                            (64, 16, 2, 2, 3, 20), (40, 20, 1, 1, 2, 16), (12, 12, 1, 1, 3, 15)])
+def test_multikey_layout_answers_are_the_queried_values(T, every, Q, K, D, V):
+    B = 16
+    x, y = multikey_batch(B, T, seed=1, pair_every=every, num_queries=Q, vocab_size=V, key_len=K, answer_len=D)
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.long
+    N, P, lo = passkey_needle_len(K, D), T // every, NUM_SPECIAL + NUM_DIGITS
+    q0 = T - Q * N
+    queried = set()
+    for b in range(B):
+        kpos = (x[b] == KEY).nonzero().flatten().tolist()
+        assert len(kpos) == P + Q and kpos[P:] == list(range(q0, T, N))   # P needles, then Q queries end the row
+        assert all(q - p >= N for p, q in zip(kpos, kpos[1:]))             # needles do not overlap
+        needles = [x[b, p:p + N] for p in kpos[:P]]
+        assert all(n[1 + K] == VAL and ((n[1:1 + K] >= lo) & (n[1:1 + K] < V)).all() for n in needles)
+        assert all(((n[2 + K:] >= NUM_SPECIAL) & (n[2 + K:] < lo)).all() for n in needles)
+        keys = [tuple(n[1:1 + K].tolist()) for n in needles]
+        assert len(set(keys)) == P, "keys distinct within a row"
+        rest = torch.ones(T, dtype=torch.bool)
+        for p in kpos:
+            rest[p:p + N] = False
+        assert rest.sum() == T - (P + Q) * N and ((x[b, rest] >= lo) & (x[b, rest] < V)).all()  # filler: words
+        answers = []
+        for i in range(Q):
+            query = x[b, q0 + i * N:q0 + (i + 1) * N]
+            j = keys.index(tuple(query[1:1 + K].tolist()))
+            assert torch.equal(query, needles[j])                          # the value of the queried key
+            answers += needles[j][2 + K:].tolist()
+            queried.add(j)
+        assert len({tuple(a) for a in x[b, q0:].view(Q, N)[:, 1:1 + K].tolist()}) == Q, "different needles asked"
+        mask = y[b] != -100
+        assert mask.nonzero().flatten().tolist() == [q0 + i * N + 1 + K + d for i in range(Q) for d in range(D)]
+        assert y[b, mask].tolist() == answers
+    assert P == 1 or len(queried) > 1, "the queried needle varies"
+
+
+def test_multikey_oracle_and_budget_asserts():
+    x, y = multikey_batch(8, 256, seed=2, pair_every=16, num_queries=3, vocab_size=64, key_len=2)
+    assert recall_accuracy(MultikeyOracle(64, passkey_needle_len(2, 3), 3), x, y) == 1.0
+    assert recall_accuracy(RandomModel(64), x, y) < 0.1
+    with pytest.raises(AssertionError, match="raise pair_every"):
+        multikey_batch(1, 23, seed=0, pair_every=7)                 # 3 needles + query of 6 tokens > 23
+    with pytest.raises(AssertionError, match="distinct keys"):
+        multikey_batch(1, 1024, seed=0, pair_every=16)              # 64 needles, 50 one-token keys
+    with pytest.raises(AssertionError, match="no needle"):
+        multikey_batch(1, 24, seed=0, pair_every=32)
+    with pytest.raises(AssertionError, match="num_queries=3"):
+        multikey_batch(1, 64, seed=0, pair_every=32, num_queries=3)   # 2 needles
+
+
 # ---------------------------------------------------------------- accuracy
 class MQAROracle(nn.Module):
     """Predicts the token that followed the first earlier occurrence of the current token."""
@@ -139,6 +199,25 @@ class PasskeyOracle(nn.Module):
             s = int((x[b] == KEY).nonzero()[0, 0])
             for t in range(T - self.n, T - 1):
                 logits[b, t, x[b, s + t - (T - self.n) + 1]] = 100.0
+        return logits, None
+
+
+class MultikeyOracle(nn.Module):
+    """Copies the value of the needle whose key each query (``q`` times ``n`` tokens at the end) repeats."""
+
+    def __init__(self, vocab, n, q):
+        super().__init__()
+        self.vocab, self.n, self.q = vocab, n, q
+
+    def forward(self, x):
+        B, T = x.shape
+        logits = torch.randn(B, T, self.vocab)
+        for b in range(B):
+            for q in range(T - self.q * self.n, T, self.n):
+                head = x[b, q:q + self.n - 3]
+                s = next(p for p in range(T) if torch.equal(x[b, p:p + len(head)], head))
+                for t in range(q, q + self.n - 1):
+                    logits[b, t, x[b, s + t - q + 1]] = 100.0
         return logits, None
 
 

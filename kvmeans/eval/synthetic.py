@@ -1,4 +1,4 @@
-"""Synthetic recall tasks (MQAR, passkey) generated on the fly for tiny CPU models.
+"""Synthetic recall tasks (MQAR, passkey, multi-key passkey) generated on the fly for tiny CPU models.
 
 Every generator is deterministic for a ``seed`` (its own ``torch.Generator``) and returns
 ``(input_ids [B, T] long, targets [B, T] long)`` with targets *pre-shifted* for
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["PAD", "SEP", "KEY", "VAL", "NUM_SPECIAL", "NUM_DIGITS", "mqar_batch", "passkey_batch",
-           "passkey_needle_len", "recall_accuracy", "accuracy_by_depth", "accuracy_grid", "plot_heatmap"]
+           "passkey_needle_len", "multikey_batch", "recall_accuracy", "accuracy_by_depth", "accuracy_grid", "plot_heatmap"]
 
 PAD, SEP, KEY, VAL = 0, 1, 2, 3
 NUM_SPECIAL = 4
@@ -122,6 +122,54 @@ def passkey_batch(batch: int, seq_len: int, seed: int, depth: Union[None, float,
     targets = torch.full_like(input_ids, IGNORE)
     targets[:, seq_len - answer_len - 1:seq_len - 1] = digits
     return input_ids, targets, depths.float()
+
+
+def multikey_batch(batch: int, seq_len: int, seed: int, pair_every: int = 32, num_queries: int = 1,
+                   vocab_size: int = 64, key_len: int = 1, answer_len: int = 3) -> Tuple[Tensor, Tensor]:
+    """Passkey with distractors: ``P = seq_len // pair_every`` needles with distinct keys, ``Q`` of them queried.
+
+    Token ranges as in :func:`passkey_batch`: digits ``[4, 14)``, words ``[14, vocab_size)``. Each needle is
+    ``KEY k_1..k_K VAL d_1..d_D`` (``N = 2 + K + D`` tokens; keys distinct within a row, values drawn with
+    replacement); the needles sit at uniformly random non-overlapping places among ``F = seq_len - (P + Q) N``
+    random filler words, and the row ends with ``Q = num_queries`` queries, each a copy of a different needle
+    (chosen uniformly, ``Q <= P``). The needle count grows with the length at a fixed density, so a
+    fixed-size memory fills up. Targets (pre-shifted) are each query's ``d_1..d_D`` (at the query's ``VAL``
+    and its first ``D - 1`` digits), ``-100`` elsewhere.
+
+    Returns ``input_ids [B, T]`` and ``targets [B, T]`` (both ``torch.long``).
+    """
+    n = passkey_needle_len(key_len, answer_len)
+    lo = NUM_SPECIAL + NUM_DIGITS
+    words = vocab_size - lo
+    pairs = seq_len // pair_every
+    assert words > 0 and key_len >= 1 and answer_len >= 1, f"vocab_size={vocab_size} must exceed {lo}"
+    assert pairs >= 1, f"seq_len={seq_len} < pair_every={pair_every}: no needle"
+    assert 1 <= num_queries <= pairs, f"num_queries={num_queries} must be in [1, {pairs} needles]"
+    assert words ** key_len >= pairs, f"{words}**key_len={key_len} distinct keys < {pairs} needles"
+    filler = seq_len - (pairs + num_queries) * n
+    assert filler >= 0, f"seq_len={seq_len} < {pairs} needles + {num_queries} queries of {n} tokens; raise pair_every"
+    g = _gen(seed)
+    code = torch.rand(batch, words ** key_len, generator=g).argsort(dim=1)[:, :pairs]          # [B, P] distinct
+    keys = torch.stack([code // words ** i % words for i in range(key_len)], dim=2) + lo       # [B, P, K]
+    digits = torch.randint(NUM_SPECIAL, lo, (batch, pairs, answer_len), generator=g)
+    marker = lambda v: torch.full((batch, pairs, 1), v, dtype=torch.long)   # noqa: E731
+    needles = torch.cat([marker(KEY), keys, marker(VAL), digits], dim=2)                        # [B, P, N]
+    slots = torch.rand(batch, filler + pairs, generator=g).argsort(dim=1)[:, :pairs]
+    is_needle = torch.zeros(batch, filler + pairs, dtype=torch.bool).scatter_(1, slots, True)
+    lens = 1 + (n - 1) * is_needle.long()
+    starts = lens.cumsum(dim=1) - lens                        # where each filler word or needle begins
+    asked = torch.rand(batch, pairs, generator=g).argsort(dim=1)[:, :num_queries]             # [B, Q]
+    fill = torch.randint(lo, vocab_size, (batch, filler), generator=g)
+    input_ids = torch.empty(batch, seq_len, dtype=torch.long)
+    input_ids.scatter_(1, starts[~is_needle].view(batch, filler), fill)
+    first = starts[is_needle].view(batch, pairs, 1)
+    input_ids.scatter_(1, (first + torch.arange(n)).view(batch, -1), needles.view(batch, -1))
+    q0 = seq_len - num_queries * n
+    input_ids[:, q0:] = needles[torch.arange(batch).unsqueeze(1), asked].view(batch, -1)
+    targets = torch.full_like(input_ids, IGNORE)
+    answer = torch.arange(n - answer_len, n) + q0 + n * torch.arange(num_queries).unsqueeze(1)  # [Q, D]
+    targets[:, answer.flatten() - 1] = input_ids[:, answer.flatten()]
+    return input_ids, targets
 
 
 @torch.no_grad()
