@@ -7,14 +7,13 @@ threshold (:func:`kvmeans.models.config.with_budget`, what ``--budget novelty:T:
 1x-8x the training length and the state rows per (sequence, kv head) after prefilling the evaluation samples
 (mean, min-max over samples, layers and heads). Prints one table and writes ``growth_ablation.json``::
 
-    python benchmarks/demo_growth_ablation.py [--seeds 0] [--thresholds 0.2 0.35 0.5] [--cap 64] [--out DIR]
+    python benchmarks/demo_growth_ablation.py [--seeds 0] [--thresholds 0.1 0.2 0.35 0.5] [--cap 64] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -68,19 +67,21 @@ def run(kind: str, seed: int, s: Dict[str, Any], budgets: Dict[str, Any], out: s
 
 
 def table(rows: List[Dict[str, Any]], names: List[str], lengths: List[int]) -> str:
-    head = f"{'model':<11}{'evaluated with':<22}" + "".join(f"{'recall@' + str(t):>11}" for t in lengths) + \
+    head = f"{'model':<11}{'evaluated with':<22}" + "".join(f"{'recall@' + str(t):>12}" for t in lengths) + \
         "".join(f"{'rows@' + str(t):>15}" for t in lengths)
     lines = [head, "-" * len(head)]
-    for kind in MODELS:
-        for name in names:
-            cells = [[r for r in rows if (r["model"], r["budget"], r["length"]) == (kind, name, t)] for t in lengths]
-            rec = "".join(f"{statistics.fmean(r['recall'] for r in c):>11.2f}" for c in cells)
-            st = "".join(f"{c[0]['rows']['mean']:>6.1f} ({c[0]['rows']['min']}-{c[0]['rows']['max']})".rjust(15)
-                         for c in cells)
-            label = "own schedule" if name == "own" else name
-            lines.append(f"{LABELS[kind]:<11}{label:<22}{rec}{st}")
-    lines.append(f"(recall: mean over seeds, per answer digit, teacher-forced; rows: mean (min-max) over {ROW_SAMPLES} "
-                 "samples x KVM layers x kv heads after prefilling each length, first seed)")
+    for seed in sorted({r["seed"] for r in rows}):
+        lines.append(f"seed {seed}")
+        for kind in MODELS:
+            for name in names:
+                cells = [next(r for r in rows if (r["model"], r["seed"], r["budget"], r["length"]) == (kind, seed, name, t))
+                         for t in lengths]
+                rec = "".join(f"{c['recall']:>12.2f}" for c in cells)
+                st = "".join(f"{c['rows']['mean']:.1f} ({c['rows']['min']}-{c['rows']['max']})".rjust(15) for c in cells)
+                label = "own schedule" if name == "own" else name
+                lines.append(f"{LABELS[kind]:<11}{label:<22}{rec}{st}")
+    lines.append(f"(recall per answer digit, teacher-forced; rows in use: mean (min-max) over {ROW_SAMPLES} samples x KVM "
+                 "layers x kv heads after prefilling each length)")
     return "\n".join(lines)
 
 
@@ -88,7 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="default: 0 (the demo runs 0 1 2)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's 800)")
-    p.add_argument("--thresholds", type=float, nargs="+", default=[0.2, 0.35, 0.5])
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.35, 0.5])
     p.add_argument("--cap", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="processes of one torch thread each")
     p.add_argument("--out", default="growth-ablation", help="folder for growth_ablation.json and the trained weights")
