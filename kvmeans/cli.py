@@ -193,6 +193,10 @@ def _generate(argv: List[str]) -> int:
     ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
     if ids.shape[1] == 0:
         p.error("the prompt encodes to no tokens")
+    vocab = model.get_input_embeddings().num_embeddings
+    if int(ids.max()) >= vocab:
+        raise UsageError(f"--model {a.model}: the prompt has token id {int(ids.max())} but the model has {vocab} "
+                         "embeddings: the folder's tokenizer is not this model's; save the model's own tokenizer in it")
     stamps: List[float] = []
 
     class Streamer(TextStreamer):   # prints the prompt then each token; records arrival times (1st put: prompt)

@@ -146,6 +146,8 @@ def test_first_mistakes_on_the_command_line_are_one_line_naming_the_argument(sav
           f"--model {empty}: no config.json there")
     fails(["distill", "--teacher", kvm, "--kvm", SMALL, "--out", str(tmp_path / "d")], capsys,
           f"--teacher {kvm} is a KVM-native model")
+    fails(["generate", "--prompt", "a long prompt", "--model", kvm], capsys,       # GPT-2's tokenizer, 64 embeddings
+          f"--model {kvm}: the prompt has token id ", "but the model has 64 embeddings")
 
 
 def _killed_mid_write(target, folder):
