@@ -73,8 +73,26 @@ def test_corrupt_pytorch_model_bin(saved, tmp_path, how):
     (d / "model.safetensors").unlink()
     assert isinstance(KVMForCausalLM.from_pretrained(d), KVMForCausalLM)         # the intact .bin loads
     (d / "pytorch_model.bin").write_bytes(DAMAGE[how]((d / "pytorch_model.bin").read_bytes()))
-    with pytest.raises(CorruptWeightsError, match=rf"^{d / 'pytorch_model.bin'} is corrupt"):
+    with pytest.raises(CorruptWeightsError, match=rf"^{d / 'pytorch_model.bin'} is corrupt") as err:
         KVMForCausalLM.from_pretrained(d)
+    assert "weights_only" not in str(err.value)          # torch's advice to unpickle unsafely is no cure here
+
+
+def test_an_unreadable_training_checkpoint_names_an_intact_previous_one(tmp_path):
+    from kvmeans.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    paths = [save_checkpoint(tmp_path, step, model, opt, {}) for step in (1, 2, 3)]
+    paths[2].write_bytes(b"not a checkpoint " * 10)
+    with pytest.raises(CheckpointError, match=rf"not a torch.save file: .*--resume {paths[1]}$") as err:
+        load_checkpoint(paths[2])
+    assert "weights_only" not in str(err.value)        # torch's advice to unpickle unsafely is no cure here
+    paths[1].write_bytes(paths[1].read_bytes()[:300])  # cut short: the hint skips it
+    with pytest.raises(CheckpointError, match=rf"--resume {paths[0]}$"):
+        load_checkpoint(paths[2])
+    paths[0].write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"no earlier checkpoint next to it is intact; start a new run"):
+        load_checkpoint(paths[2])
 
 
 def test_corrupt_authors_checkpoint(tmp_path, capsys):

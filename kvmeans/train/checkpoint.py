@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from ..utils.io import atomic_write_file
+from ..utils.weights import read_error
 
 __all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "rng_state",
            "set_rng_state", "remove_temp_files", "payload_checksum", "CheckpointError"]
@@ -137,8 +139,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"cannot read checkpoint {path} ({first}); {_previous_hint(path)}") from e
+        raise CheckpointError(f"cannot read checkpoint {path} ({read_error(e)}); {_previous_hint(path)}") from e
     saved = state.pop("checksum", None)          # None: written before checkpoints had one
     if saved is not None and saved != payload_checksum(state):
         raise CheckpointError(f"checkpoint {path} is corrupted (its checksum {saved} does not match its "
@@ -147,11 +148,11 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
 
 
 def _previous_hint(path: Path) -> str:
-    earlier = sorted(p for p in path.parent.glob("step_*.pt")
-                     if _NAME.match(p.name) and _NAME.match(path.name) and p.name < path.name)   # zero-padded
+    earlier = sorted(p for p in path.parent.glob("step_*.pt")    # zero-padded names; a cut file is no zip
+                     if _NAME.match(p.name) and _NAME.match(path.name) and p.name < path.name and zipfile.is_zipfile(p))
     if earlier:
         return f"resume from the previous one with --resume {earlier[-1]}"
-    return "no earlier checkpoint is left next to it; start a new run (another --out)"
+    return "no earlier checkpoint next to it is intact; start a new run (another --out)"
 
 
 def restore_checkpoint(state: Dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 from typing import Iterator, Optional, Tuple, Union
 
-__all__ = ["CorruptWeightsError", "named_weight_errors", "unreadable_weights"]
+__all__ = ["CorruptWeightsError", "named_weight_errors", "unreadable_weights", "read_error"]
 
 WEIGHT_FILES = ("model*.safetensors", "pytorch_model*.bin")     # what transformers and kvmeans load
 
@@ -30,8 +30,18 @@ def unreadable_weights(folder: Union[str, os.PathLike]) -> Optional[Tuple[Path, 
             try:
                 _open(file)
             except Exception as err:
-                return file, (str(err).strip().splitlines() or [type(err).__name__])[0]
+                return file, read_error(err)
     return None
+
+
+def read_error(err: BaseException) -> str:
+    """One line saying why a file did not read: ``err``'s first line, or for torch's weights-only unpickler
+    (whose first line advises ``weights_only=False``: unsafe, and no cure for a damaged file) its actual error."""
+    text = str(err).strip()
+    if "WeightsUnpickler error:" in text:
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()
+        return f"not a torch.save file: {detail[0] if detail else type(err).__name__}"
+    return (text.splitlines() or [type(err).__name__])[0]
 
 
 def _open(file: Path) -> None:
