@@ -48,7 +48,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
         budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
         sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
         softcap=softcap, log_count_bias=spec.log_count_bias, novel_rows=spec.novel_rows,
-        **learned_readout(module, hidden_states))
+        exact_rows=spec.exact_rows, **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
 
 

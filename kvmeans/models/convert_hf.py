@@ -38,6 +38,8 @@ class KVMSpec:
     ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation);
     ``novel_rows``: at a full budget each block that leaves the window gives its most novel tokens this many
     rows of their own, freed by merging the most similar pairs of rows (``kvmeans.ops.pretrained_routing``);
+    ``exact_rows``: rows of the budget kept as a reserve of single tokens, the most novel ones, read exactly
+    (``kvmeans.ops.pretrained_reserve``; 0: none);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.layers.hf_attention.add_learned_parameters``), initialised to the training-free read.
     """
@@ -49,6 +51,7 @@ class KVMSpec:
     rope_distance: Optional[int] = None
     log_count_bias: bool = True
     novel_rows: int = 0
+    exact_rows: int = 0
     learned: bool = False
 
     def __post_init__(self):
@@ -63,6 +66,15 @@ class KVMSpec:
             raise ValueError(f"rope_distance must be >= 0 (or None for three times the window span), got {self.rope_distance}")
         if not 0 <= self.novel_rows <= self.chunk_len:
             raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
+        b = self.budget               # the most rows it ever gives (power_law: no cap)
+        cap = b if isinstance(b, int) else None if getattr(b, "kind", "power_law") == "power_law" else b.n
+        most = None if cap is None else max(0, cap - self.chunk_len)
+        if self.exact_rows < 0 or (most is not None and self.exact_rows > most):
+            raise ValueError(f"exact_rows must be in [0, budget - chunk_len = {most}] (the mean pool keeps the first "
+                             f"chunk's rows), got {self.exact_rows}; lower exact_rows or raise budget"
+                             if most is not None else f"exact_rows must be >= 0, got {self.exact_rows}")
+        if self.exact_rows and self.novel_rows:
+            raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
 
     @property
     def state_budget(self):

@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .budget import BudgetLike, as_budget
+from .pretrained_reserve import block_scores, keep_most_novel
 from .pretrained_routing import merge_closest_pairs, route_novel
 from .routing import route_overflow
-from .schedule import bswa_begin, plan_updates
+from .schedule import bswa_begin, desired_rows
 
 ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
 
@@ -54,22 +55,39 @@ class ConvertedKVMState:
     ``buf_*`` hold the tokens ``[covered, seen)`` not yet in the state: their post-RoPE keys, values and
     the keys the state merges (unrotated keys in the pre-RoPE modes, None when equal to ``buf_k``);
     ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``;
-    ``buf_g`` ``[B, Hkv, n, 1]`` the buffered tokens' merge gates (None: every token weighs 1).
+    ``buf_g`` ``[B, Hkv, n, 1]`` the buffered tokens' merge gates (None: every token weighs 1);
+    ``reserve_*`` the exact rows (``exact_rows``, ``kvmeans.ops.pretrained_reserve``; None without them):
+    ``reserve_key``/``reserve_value`` ``[B, Hkv, R, D]`` one token's (gated) key and value, ``reserve_count``
+    ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty).
     """
+
+    FIELDS = ("buf_k", "buf_v", "buf_s", "buf_g", "key_sum", "value_sum", "count", "reserve_key", "reserve_value",
+              "reserve_count", "reserve_score")
 
     def __init__(self):
         self.seen = 0
         self.covered = 0
-        self.buf_k = self.buf_v = self.buf_s = self.buf_g = None
-        self.key_sum = self.value_sum = self.count = None
+        for name in self.FIELDS:
+            setattr(self, name, None)
 
     @property
     def num_rows(self) -> int:
-        return 0 if self.count is None else self.count.shape[-1]
+        """Rows read: the mean pool's and the reserve's slots."""
+        return sum(0 if t is None else t.shape[-1] for t in (self.count, self.reserve_count))
+
+    @property
+    def reserve(self):
+        return self.reserve_key, self.reserve_value, self.reserve_count, self.reserve_score
+
+    def read_rows(self):
+        """``(key sums, value sums, counts)`` the queries read: the pool rows then the reserve (None: no state yet)."""
+        if self.count is None or self.reserve_count is None:
+            return None if self.count is None else (self.key_sum, self.value_sum, self.count)
+        return tuple(torch.cat(pair, -1 if pair[0].dim() == 3 else -2)
+                     for pair in zip((self.key_sum, self.value_sum, self.count), self.reserve))
 
     def _tensors(self):
-        return [t for t in (self.buf_k, self.buf_v, self.buf_s, self.buf_g, self.key_sum, self.value_sum,
-                            self.count) if t is not None]
+        return [t for t in (getattr(self, name) for name in self.FIELDS) if t is not None]
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +95,7 @@ class ConvertedKVMState:
 
     def index_select(self, idx: Tensor) -> "ConvertedKVMState":
         """Keep/reorder batch rows (beam search, batch selection) in place."""
-        for name in ("buf_k", "buf_v", "buf_s", "buf_g", "key_sum", "value_sum", "count"):
+        for name in self.FIELDS:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, idx.to(t.device)))
@@ -91,7 +109,8 @@ class ConvertedKVMState:
         return out
 
     def __repr__(self) -> str:
-        return (f"ConvertedKVMState(seen={self.seen}, rows={self.num_rows}, covered={self.covered}, "
+        exact = "" if self.reserve_count is None else f", exact_rows={self.reserve_count.shape[-1]}"
+        return (f"ConvertedKVMState(seen={self.seen}, rows={self.num_rows}{exact}, covered={self.covered}, "
                 f"buffered={self.seen - self.covered}, nbytes={self.nbytes})")
 
 
@@ -100,10 +119,12 @@ def _cat(a: Optional[Tensor], b: Tensor) -> Tensor:
 
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
-             n_bswa_chunks: int, sink_len: int, novel_rows: int = 0) -> None:
+             n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
-    the window (``schedule.plan_updates``: appends on the budget, the rest merged by cosine argmax; with
-    ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.ops.pretrained_routing``)."""
+    the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
+    ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.ops.pretrained_routing``; with
+    ``exact_rows`` the block first passes the reserve, ``kvmeans.ops.pretrained_reserve``, and the pool's
+    budget is ``exact_rows`` less)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
@@ -118,27 +139,42 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         if gate is not None:
             g = gate[..., :chunk_len, :]
             st.key_sum, st.value_sum, st.count = st.key_sum * g, st.value_sum * g, g.squeeze(-1)
+        if exact_rows:
+            B, H, _, D = st.key_sum.shape
+            st.reserve_key, st.reserve_value = (t.new_zeros(B, H, exact_rows, t.shape[-1])
+                                                for t in (st.key_sum, st.value_sum))
+            st.reserve_count = st.count.new_zeros(B, H, exact_rows)
+            st.reserve_score = st.count.new_full((B, H, exact_rows), float("-inf"))
         st.covered = chunk_len
-    for step in plan_updates(budget, st.covered, st.num_rows, total, chunk_len, n_bswa_chunks):
-        blk = slice(step.start - base, step.start - base + chunk_len)
+    pool_budget = (lambda n: max(0, budget(n) - exact_rows)) if exact_rows else budget
+    for start in range(max(st.covered, chunk_len), target, chunk_len):   # schedule.plan_updates, one step at a time
+        rows = st.count.shape[-1]
+        n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
+        blk = slice(start - base, start - base + chunk_len)
         bk, bv = skeys[..., blk, :].to(acc), st.buf_v[..., blk, :].to(acc)
         sel = F.normalize(bk, dim=-1)
-        n_new = step.n_append
-        if n_new < novel_rows and st.num_rows - sink_len > 2 * novel_rows:
+        weight = torch.ones_like(sel[..., 0], dtype=st.count.dtype) if gate is None else gate[..., blk, 0]
+        if gate is not None:
+            bk, bv = bk * gate[..., blk, :], bv * gate[..., blk, :]
+        if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
+            n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
+            score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
+            kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
+            st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept
+            if not n_out:
+                continue
+            sel, n_new = F.normalize(bk, dim=-1), min(n_new, n_out)
+        if n_new < novel_rows and rows - sink_len > 2 * novel_rows:
             st.key_sum, st.value_sum, st.count = merge_closest_pairs(st.key_sum, st.value_sum, st.count,
                                                                      novel_rows - n_new, sink_len)
             n_new = novel_rows
             dest = route_novel(st.key_sum, sel, n_new, sink_len)
         else:
             dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, n_new, sink_len)
-        ones = torch.ones_like(dest, dtype=st.count.dtype)
-        if gate is not None:
-            g = gate[..., blk, :]
-            bk, bv, ones = bk * g, bv * g, g.squeeze(-1)
         pad = (0, 0, 0, max(n_new, 0))
         st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
         st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
-        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, ones)
+        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, weight)
     drop = target - base
     st.buf_k, st.buf_v = st.buf_k[..., drop:, :], st.buf_v[..., drop:, :]
     st.buf_s = None if st.buf_s is None else st.buf_s[..., drop:, :]
@@ -151,7 +187,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
                             sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
-                            log_count_bias: bool = True, novel_rows: int = 0, merge_gate: Optional[Tensor] = None,
+                            log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
+                            merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
                             state_temp: Optional[Tensor] = None, window_temp: Optional[Tensor] = None) -> Tensor:
     """Continue ``state`` by ``T`` tokens and return their attention output ``[B, H, T, Dv]``.
@@ -160,7 +197,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
     ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
     absolute position, so any split of a sequence (prefill + decode) gives the same result. ``novel_rows``:
-    novelty-preserving routing at a full budget (``kvmeans.ops.pretrained_routing``; 0: KVM's routing).
+    novelty-preserving routing at a full budget (``kvmeans.ops.pretrained_routing``; 0: KVM's routing);
+    ``exact_rows``: slots of the budget that keep the most novel tokens exactly (``kvmeans.ops.pretrained_reserve``).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -169,6 +207,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     """
     if rope_mode not in ROPE_MODES:
         raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
+    if exact_rows and novel_rows:
+        raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
     budget = as_budget(budget)
     B, H, T, D = q.shape
     Hkv, G = k.shape[1], H // k.shape[1]
@@ -193,8 +233,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     c0, c1 = start // C, -(-(start + T) // C)
     rows = []                                      # the state each chunk of queries reads (tensors are not
     for c in range(c0, c1):                        # updated in place, so these are snapshots)
-        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows)
-        rows.append(None if state.count is None else (state.key_sum, state.value_sum, state.count))
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows, exact_rows)
+        rows.append(state.read_rows())
     # every chunk at once: queries padded to whole chunks, window = the L positions ending at the chunk's end
     nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)
     def grid(x, first, width):                     # positions [first, first + width) of x (x starts at base0)

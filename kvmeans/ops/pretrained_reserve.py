@@ -1,0 +1,44 @@
+"""A reserve of exact rows for the most novel tokens of a converted layer (``KVMSpec.exact_rows``, docs/pretrained.md).
+
+Once the budget is full, KVM's routing merges every token that leaves the window into its most similar row,
+so a few novel tokens (a needle's digits) are averaged with many others. With ``exact_rows = R`` the state
+is a mean pool (KVM's rows, on the budget plan less R) plus R slots, each holding one token exactly. When a
+block leaves the window, each of its tokens is scored by its novelty, minus its highest cosine to every pool
+row and every filled slot, averaged over the layer's kv heads (one score per token and batch row: per-head
+scores recalled less); a slot keeps the score its token had on arrival. The R highest scores among the slots
+and the block's tokens hold the slots, the others go to the pool by KVM's routing. Empty slots score -inf
+and are filled first, in position order, so which slots are filled depends on positions only.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+Rows = Tuple[Tensor, Tensor, Tensor, Tensor]      # key sums [B, Hkv, n, D], value sums [.., Dv], counts, scores [B, Hkv, n]
+
+
+@torch.no_grad()
+def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score: Tensor) -> Tensor:
+    """``[B, Hkv, C]``: minus the highest cosine of each block token ``sel [B, Hkv, C, D]`` (normalised keys) to
+    the pool rows ``[B, Hkv, m, D]`` and the filled slots ``[B, Hkv, R, D]``, averaged over the kv heads."""
+    rows = F.normalize(torch.cat((pool_key_sum, slot_key), -2), dim=-1)
+    empty = F.pad(slot_score.isneginf(), (pool_key_sum.shape[-2], 0))
+    sim = (sel @ rows.transpose(-1, -2)).masked_fill(empty.unsqueeze(-2), float("-inf"))
+    return (-sim.amax(-1)).mean(1, keepdim=True).expand(sel.shape[:-1])
+
+
+def keep_most_novel(slots: Rows, block: Rows, n_out: int) -> Tuple[Rows, Rows]:
+    """The ``R`` highest scores among ``slots`` (``R`` of them) and ``block`` hold the slots (a stable sort:
+    ties to the lower index, slots first); returns ``(slots, out)``, ``out`` the ``n_out`` filled candidates
+    left, in candidate order (the empty ones, last in the sort, are dropped)."""
+    cand = [torch.cat(pair, -2 if pair[0].dim() == 4 else -1) for pair in zip(slots, block)]
+    R = slots[3].shape[-1]
+    order = torch.sort(cand[3], dim=-1, descending=True, stable=True).indices
+    keep, out = order[..., :R], order[..., R:R + n_out].sort(-1).values
+    def take(i):
+        return tuple(t.gather(-1, i) if t.dim() == 3 else t.gather(-2, i.unsqueeze(-1).expand(*i.shape, t.shape[-1]))
+                     for t in cand)
+    return take(keep), take(out)
