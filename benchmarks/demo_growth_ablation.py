@@ -2,7 +2,7 @@
 
 Trains the demo's ``kvm-fixed`` (16 rows) and ``kvm-sqrt`` (2*sqrt(N) rows, at least 16) models exactly as
 ``kvmeans demo`` does (:func:`kvmeans.demo.train_model`; the weights are kept in ``--out`` and reused by a later
-run), then evaluates each with its own schedule and with ``StateBudget.novelty(threshold, cap)`` at every
+run with the same demo settings), then evaluates each with its own schedule and with ``StateBudget.novelty(threshold, cap)`` at every
 threshold (:func:`kvmeans.models.config.with_budget`, what ``--budget novelty:T:CAP`` applies): recall at
 1x-8x the training length and the state rows per (sequence, kv head) after prefilling the evaluation samples
 (mean, min-max over samples, layers and heads). Prints one table and writes ``growth_ablation.json``::
@@ -44,14 +44,16 @@ def state_rows(model: KVMLanguageModel, length: int, s: Dict[str, Any], seed: in
 def run(kind: str, seed: int, s: Dict[str, Any], budgets: Dict[str, Any], out: str) -> List[Dict[str, Any]]:
     """Train (or reload) ``kind`` with ``seed``; recall and state rows per length under every budget."""
     torch.set_num_threads(1)
-    saved = Path(out) / f"{kind}-seed{seed}-steps{s['steps']}.pt"
-    if saved.exists():
-        model = KVMLanguageModel(KVMModelConfig.from_dict(json.loads(saved.with_suffix(".json").read_text())))
+    saved = Path(out) / f"{kind}-seed{seed}.pt"
+    trained_with = {k: list(v) if isinstance(v, tuple) else v for k, v in s.items() if k != "seeds"}
+    meta = json.loads(saved.with_suffix(".json").read_text()) if saved.exists() else {}
+    if meta.get("settings") == trained_with:      # weights trained with these very settings: reused
+        model = KVMLanguageModel(KVMModelConfig.from_dict(meta["config"]))
         model.load_state_dict(torch.load(saved))
     else:
         model = train_model(kind, s, seed, "cpu")["model"]
         torch.save(model.state_dict(), saved)
-        saved.with_suffix(".json").write_text(json.dumps(model.config.to_dict()))
+        saved.with_suffix(".json").write_text(json.dumps(dict(config=model.config.to_dict(), settings=trained_with)))
     rows = []
     for name, budget in {"own": None, **budgets}.items():
         evaluated = model
