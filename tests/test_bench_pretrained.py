@@ -133,6 +133,14 @@ def test_kvm_arm_keeps_its_keys_and_bounded_bytes(model):
         bp.kvm_arm(model, 6, {"chunk_len": 8, "n_bswa_chunks": 1, "sink_len": 4})
 
 
+def test_kvm_arm_checks_exact_rows_against_the_budget_it_sets(model):
+    kvm = {"chunk_len": 8, "n_bswa_chunks": 4, "sink_len": 2, "exact_rows": 140}   # > KVMSpec's default budget
+    conv = bp.kvm_arm(model, 200, kvm).model.config.kvm_conversion                # 168 rows beside 32 window keys
+    assert (conv["budget"]["n"], conv["exact_rows"]) == (168, 140)
+    with pytest.raises(ValueError, match="exact_rows must be in"):
+        bp.kvm_arm(model, 100, kvm)                                                # 68 rows: too few
+
+
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):
     s = bp.niah_samples(tok, n=2, context_tokens=400, seed=0)
     s[1] = {**s[1], "context_ids": s[1]["context_ids"][:350]}

@@ -292,7 +292,8 @@ def kvm_arm(model, keys: int, kvm: dict) -> Arm:
     of ``keys`` as a fixed state budget."""
     from ..models.convert_hf import KVMSpec, convert_hf
     from ..ops.budget import StateBudget
-    spec = KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget")})
+    # checked against the budget set below, not KVMSpec's default one
+    spec = KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
     chunk, n = spec.chunk_len, spec.n_bswa_chunks
     while n > 1 and n * chunk > keys // 2:
         n -= 1
