@@ -295,7 +295,7 @@ def _models(argv: List[str]) -> int:
 
 
 COMMANDS: Dict[str, Tuple[str, Callable[[List[str]], int]]] = {
-    "demo": ("train tiny KVM fixed / KVM sqrt / BSWA / full models on passkey recall; recall and memory vs length", _demo),
+    "demo": ("train tiny RWKV-7 / KVM fixed / KVM sqrt / BSWA / full models on a recall task; recall and memory vs length", _demo),
     "bench": ("benchmarks: `kvmeans bench ops` (KVM vs SDPA: prefill, backward, decode, memory)", _bench),
     "generate": ("generate text with a saved model (streams; prints tok/s and cache memory)", _generate),
     "convert": ("convert an authors' checkpoint to the kvmeans layout: `kvmeans convert SRC DST`", _convert),
