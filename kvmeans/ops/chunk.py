@@ -657,19 +657,18 @@ def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appen
         else:
             dest[:, :, loc], created[:, :, loc], ungated[:, :, loc] = d, app, app & (not gate_appends)
     if is_data_dependent(budget):
-        counts = _counts_visible(state, records, t1, dest.shape[:2])
+        counts = _counts_visible(state, records, t1)
         return _Routes(dest, created, ungated, counts.amax((0, 1)).tolist(), scratch.num_rows, counts,
                        scratch.row_count)
     rows_at = _rows_visible(state, _planned_rows(state, budget, t1), t1)
     return _Routes(dest, created, ungated, rows_at, scratch.num_rows)
 
 
-def _counts_visible(state: KVMState, records: list, t1: int, bh) -> Tensor:
+def _counts_visible(state: KVMState, records: list, t1: int) -> Tensor:
     """``[B, Hkv, chunks]`` rows in use per (b, h) visible to each query chunk ``c < ceil(t1 / C)`` under a novelty
     budget (:func:`_rows_visible` per (b, h)); ``records`` from :func:`absorb`."""
     C, n = state.chunk_len, state.n_bswa_chunks
-    count = state.row_count
-    count = torch.full(bh, state.num_rows, device=state.device) if count is None else count.clone()
+    count = state.rows_in_use()
     after, grown = {}, count                          # block index -> rows in use once it entered
     for start, k, _, app in records:
         grown = grown + (k if app is None else app.sum(-1))

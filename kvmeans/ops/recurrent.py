@@ -178,10 +178,8 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
     else:
         route = route_overflow
     if growth is not None:
-        count = state.row_count
-        count = torch.full(kb.shape[:2], state.num_rows, device=kb.device) if count is None else count
-        dest, app, state.row_count = route_novelty(rows_hat, count, kbar, append_hat, growth.threshold, growth.n,
-                                                   state.sink_len)
+        dest, app, state.row_count = route_novelty(rows_hat, state.rows_in_use(), kbar, append_hat, growth.threshold,
+                                                   growth.n, state.sink_len)
         m1 = max(state.num_rows, int(state.row_count.max()))
     else:
         dest, app = route(rows_hat, kbar, append_hat, step.n_append, state.sink_len)

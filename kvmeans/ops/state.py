@@ -196,6 +196,12 @@ class KVMState(BatchedState):
     def device(self) -> torch.device:
         return self.keys.device
 
+    def rows_in_use(self) -> Tensor:
+        """``[B, Hkv]`` long: the rows each (sequence, kv head) uses, ``row_count`` or else ``num_rows`` for all."""
+        if self.row_count is not None:
+            return self.row_count
+        return torch.full(self.keys.shape[:2], self.num_rows, dtype=torch.long, device=self.device)
+
     def rows(self):
         """``(keys [B,Hkv,m,D], values [B,Hkv,m,Dv], radii [B,Hkv,m])`` of the ``m`` rows in use."""
         m = self.num_rows
