@@ -120,7 +120,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, gate, ln_w, ln_b, state_temp, bswa_temp, *state.rows()))
     if is_data_dependent(budget_fn):     # auto: the torch paths (the kernels' self-check covers positional budgets)
-        _check_novelty_backend(backend, numerics)
+        _check_novelty_numerics(numerics)
         attn, backend = ("torch", backend) if backend != "triton" else _kernels(backend, q.device, q.dtype, compute,
                                                                                numerics)
     else:
@@ -172,9 +172,8 @@ def _kernels(backend, device, dtype, compute, numerics):
     return "torch", backend
 
 
-def _check_novelty_backend(backend, numerics):
-    """Data-dependent growth: "auto" takes the torch paths (never Triton), "triton" forces the kernels; reference
-    numerics are refused."""
+def _check_novelty_numerics(numerics):
+    """Data-dependent growth has no reference-numerics path (the backend choice is made by the caller)."""
     if numerics == "reference":
         raise ValueError("numerics='reference' does not support a novelty budget; use numerics='exact' or 'mixed'")
 
