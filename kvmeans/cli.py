@@ -185,6 +185,7 @@ def _generate(argv: List[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from .models.hf_cache import format_bytes
+    from .models.hf_compat import cache_from
 
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
@@ -218,7 +219,7 @@ def _generate(argv: List[str]) -> int:
     n = out.sequences.shape[1] - ids.shape[1]
     first = stamps[1] if len(stamps) > 1 else t1
     decode = f", decode {(n - 1) / (t1 - first):.1f} tok/s" if n > 1 and t1 > first else ""
-    cache = out.past_key_values
+    cache = cache_from(out)
     print(f"\n\n[{n} tokens in {t1 - t0:.2f} s: {n / (t1 - t0):.1f} tok/s (prompt {ids.shape[1]} tokens, "
           f"first token after {first - t0:.2f} s{decode})]")
     if cache is not None and not hasattr(cache, "mixers"):      # a transformers model's cache (converted or not)

@@ -7,6 +7,7 @@ pytest.importorskip("transformers")
 from test_hf import ARCHS, GREEDY, prompts, tiny  # noqa: E402
 
 from kvmeans.models.hf_cache import KVMCache  # noqa: E402
+from kvmeans.models.hf_compat import CACHE_KWARG  # noqa: E402
 
 C = 4                                   # chunk_len: every verification of >= 4 tokens crosses a boundary
 SMALL = dict(chunk_len=C, ovq_chunk_len=C, swa_window=6)
@@ -188,4 +189,5 @@ def test_generate_records_the_cache_of_assisted_decoding_itself(mode, records):
     from transformers.generation import GenerationMode
     m, kwargs = model("kvm"), {}
     m._prepare_cache_for_generation(GenerationConfig(use_cache=True), kwargs, getattr(GenerationMode, mode), 1, 64)
-    assert isinstance(kwargs["past_key_values"], KVMCache) and kwargs["past_key_values"].record_past is records
+    cache = kwargs[CACHE_KWARG]               # past_key_values before transformers 5.24, cache from 5.24
+    assert isinstance(cache, KVMCache) and cache.record_past is records

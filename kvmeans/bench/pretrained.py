@@ -190,6 +190,7 @@ def answer(arm: Arm, context_ids: Sequence[int], question_ids: Sequence[int], ma
     seconds and the answer's (question and decoding, as kvpress' ``generate_answer``)."""
     from transformers import DynamicCache
 
+    from ..models.hf_compat import cache_kwargs
     from ..models.hf_kvm_cache import cache_nbytes
     model = arm.model
     device = next(model.parameters()).device
@@ -204,7 +205,7 @@ def answer(arm: Arm, context_ids: Sequence[int], question_ids: Sequence[int], ma
             key_pos = torch.cat([key_pos, qpos])
             kw["attention_mask"] = streaming_mask(key_pos, qpos, arm.sinks, arm.window, dtype).to(device)
         logits = model(input_ids=torch.tensor([ids], device=device), position_ids=qpos[None].to(device),
-                       past_key_values=cache, use_cache=True, logits_to_keep=1, **kw).logits
+                       use_cache=True, logits_to_keep=1, **cache_kwargs(cache), **kw).logits
         pos += len(ids)
         if arm.sinks is not None:      # what the next query can still see
             key_pos = evict(cache, key_pos, (key_pos < arm.sinks) | (key_pos > pos - arm.window))
@@ -237,6 +238,7 @@ def _window_nll(arm: Arm, window: torch.Tensor) -> Tuple[torch.Tensor, int, floa
     """``(nll [T - 1], cache bytes after the window, seconds)`` of one forward over ``window [T]``."""
     from transformers import DynamicCache
 
+    from ..models.hf_compat import cache_kwargs
     from ..models.hf_kvm_cache import cache_nbytes
     model = arm.model
     device = next(model.parameters()).device
@@ -247,7 +249,7 @@ def _window_nll(arm: Arm, window: torch.Tensor) -> Tuple[torch.Tensor, int, floa
         kw["attention_mask"] = streaming_mask(pos, pos, arm.sinks, arm.window, next(model.parameters()).dtype).to(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, **kw).logits[0, :-1].float()
+        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(cache), **kw).logits[0, :-1].float()
     secs = time.perf_counter() - t0
     if arm.sinks is not None:
         evict(cache, pos, (pos < arm.sinks) | (pos > window.shape[0] - arm.window))

@@ -124,11 +124,12 @@ def backbone_parts(model) -> Tuple[Any, torch.nn.Module, Optional[float]]:
     if not (hasattr(model, "get_decoder") and hasattr(model, "get_output_embeddings")):
         raise TypeError(f"expected a KVMForCausalLM, a KVMLanguageModel or a transformers causal LM, "
                         f"got {type(model).__name__}")
+    from ..models.hf_compat import cache_from, cache_kwargs
     decoder = model.get_decoder()
 
     def backbone(ids, cache):
-        out = decoder(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.last_hidden_state, out.past_key_values
+        out = decoder(input_ids=ids, use_cache=True, **cache_kwargs(cache))
+        return out.last_hidden_state, cache_from(out)
     return backbone, model.get_output_embeddings(), getattr(model.config, "final_logit_softcapping", None)
 
 

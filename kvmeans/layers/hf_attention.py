@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from ..models.hf_compat import cache_from
 from ..models.hf_kvm_cache import kvm_cache_layer
 from ..ops.pretrained import converted_kvm_attention
 from ..ops.pretrained_batch import ConvertedBatchState
@@ -73,7 +74,7 @@ def _capture(module, args, kwargs):
     and the RoPE cos/sin for :func:`kvm_attention_forward`."""
     bound = module._kvm_signature.bind(*args, **kwargs).arguments
     named = {**bound.pop("kwargs", {}), **bound}
-    cache = named.get("past_key_values", named.get("layer_past"))
+    cache = cache_from(named, "layer_past")      # GPT-NeoX attention calls it layer_past
     state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
     module._kvm_call = (state, named.get("position_embeddings"), named.get("hidden_states"))
 

@@ -55,6 +55,7 @@ from ._reference_format import REFERENCE_MODEL_TYPE
 from .convert import (is_reference_checkpoint, load_reference_state_dict, map_reference_state_dict,
                       reference_config_to_ours, with_numerics)
 from .hf_cache import KVMCache
+from .hf_compat import CACHE_KWARG, cache_from, cache_kwargs, either_cache
 from .transformer import KVMLanguageModel
 from ..utils.weights import named_weight_errors
 
@@ -74,7 +75,7 @@ class KVMConfig(PreTrainedConfig):
     """
 
     model_type = "kvmeans"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_KWARG]   # the output field Trainer drops from predictions
     attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
                      "num_key_value_heads": "num_kv_heads"}
 
@@ -128,11 +129,11 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         """Let ``generate`` start with an empty :class:`KVMCache` (chunked prefill needs one up front), recording
         what ``crop`` needs in assisted decoding (transformers 5.0 does not call ``activate_past_recording``)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache:
-            model_kwargs["past_key_values"] = KVMCache(self.layer_types())
+        if cache_from(model_kwargs) is None and generation_config.use_cache:
+            cache = model_kwargs[CACHE_KWARG] = KVMCache(self.layer_types())
             mode = kwargs.get("generation_mode", args[0] if args else None)
             if getattr(generation_config, "is_assistant", False) or mode == GenerationMode.ASSISTED_GENERATION:
-                model_kwargs["past_key_values"].activate_past_recording()
+                cache.activate_past_recording()
 
     def _init_weights(self, module):
         """No-op: every module initialises itself in its constructor (the paper's scheme);
@@ -168,14 +169,15 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
                 logits_to_keep: Union[int, Tensor] = 0, labels: Optional[Tensor] = None,
                 inputs_embeds: Optional[Tensor] = None, return_dict: Optional[bool] = None,
                 output_hidden_states: Optional[bool] = None, output_attentions: Optional[bool] = None,
-                **kwargs) -> CausalLMOutputWithPast:
-        """``input_ids [B, T]`` -> ``CausalLMOutputWithPast(loss, logits [B, T', V] fp32, past_key_values,
-        hidden_states)``.
+                cache: Optional[Cache] = None, **kwargs) -> CausalLMOutputWithPast:
+        """``input_ids [B, T]`` -> ``CausalLMOutputWithPast(loss, logits [B, T', V] fp32, cache, hidden_states)``
+        (the cache field is ``past_key_values`` before transformers 5.24, ``cache`` from 5.24).
 
         Args:
             attention_mask: ``[B, past + T]`` or ``[B, T]``, 1 = token, 0 = pad (any pattern; pads
                 are stripped per row and get zero logits).
-            past_key_values: a :class:`KVMCache` from a previous call (or None / an empty Cache).
+            past_key_values, cache: a :class:`KVMCache` from a previous call (or None / an empty Cache); two
+                names for one argument (transformers 5.24 renamed it ``cache``): either, not both.
             logits_to_keep: int k > 0 keeps the last k positions, or a 1-D index tensor; ignored
                 when ``labels`` are given.
             labels: ``[B, T]``; loss = mean CE of ``logits[:, :-1]`` vs ``labels[:, 1:]``, -100
@@ -199,7 +201,7 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("input_ids [B, T] is required")
         if use_cache is None:
             use_cache = bool(self.config.use_cache) and labels is None
-        cache = self._as_kvm_cache(past_key_values)
+        cache = self._as_kvm_cache(either_cache(cache, past_key_values))
         mask = self._new_columns_mask(attention_mask, cache, input_ids.shape[1])
         hidden = cache.advance(self._backbone(output_hidden_states), input_ids, mask)
         d = self.config.hidden_size
@@ -219,8 +221,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             logits = cap * torch.tanh(logits / cap)
         logits = logits.float()
         loss = None if labels is None else self._loss(logits, labels, kwargs.get("num_items_in_batch"))
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None,
-                                     hidden_states=states)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=states,
+                                     **cache_kwargs(cache if use_cache else None))
         return out.to_tuple() if return_dict is False else out
 
     def _backbone(self, output_hidden_states: bool):
@@ -239,7 +241,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             return past.bind(self.layer_types())
         if past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
             return KVMCache(self.layer_types())
-        raise TypeError(f"past_key_values must be a KVMCache returned by this model, got {type(past).__name__}")
+        raise TypeError(f"{CACHE_KWARG}= must be a KVMCache returned by this model (or None), "
+                        f"got {type(past).__name__}")
 
     @staticmethod
     def _new_columns_mask(attention_mask: Optional[Tensor], cache: KVMCache, T: int) -> Optional[Tensor]:

@@ -123,7 +123,7 @@ class KVMCacheLayer(CacheLayerMixin):
 
 
 class KVMCache(Cache):
-    """Carried states of a :class:`KVMForCausalLM` batch, usable as ``past_key_values``.
+    """Carried states of a :class:`KVMForCausalLM` batch, usable as ``cache`` (``past_key_values`` before 5.24).
 
     Args:
         mixers: per layer the mixer name (``"kvm"``, ``"swa"``, ...); sets ``len(cache)``.
