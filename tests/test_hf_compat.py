@@ -1,11 +1,12 @@
 """transformers 5.24 renamed ``past_key_values`` to ``cache``: kvmeans.models.hf_compat picks the installed
 version's name, KVMForCausalLM.forward takes either name (not both) and returns the cache where the installed
-version's generate reads it; converted layers find their cache under either name. Runs under 5.0-5.24."""
+version's generate reads it; converted layers find their cache under either name. Runs under 5.18-5.24."""
 import pytest
 import torch
 
 tf = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from test_hf import prompts, tiny  # noqa: E402
 
 from kvmeans.models.convert_hf import convert_hf  # noqa: E402
@@ -29,6 +30,15 @@ def test_cache_from_reads_either_name_the_installed_one_first():
     assert cache_from({CACHE_KWARG: None, "layer_past": "neox"}, "layer_past") == "neox"
     assert cache_from({"layer_past": "neox"}) is None
     assert either_cache(None, None) is None and either_cache("a", None) == "a" and either_cache(None, "b") == "b"
+
+
+def test_cache_from_reads_an_output_by_its_own_field_only(monkeypatch):
+    """5.24's outputs map ``get("past_key_values")`` to ``cache`` with a deprecation warning: an output without a
+    cache (labels, use_cache=False) must not be asked for the other name."""
+    asked, get = [], CausalLMOutputWithPast.get
+    monkeypatch.setattr(CausalLMOutputWithPast, "get", lambda self, key, default=None:
+                        asked.append(key) or get(self, key, default))
+    assert cache_from(CausalLMOutputWithPast(logits=torch.zeros(1))) is None and asked == [CACHE_KWARG]
 
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
@@ -57,6 +67,7 @@ def test_trainer_drops_the_cache_field_of_the_output():
 
 
 @pytest.mark.parametrize("name", HF_NAMES)
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")   # 5.24's alias, on purpose
 @torch.no_grad()
 def test_a_converted_model_continues_its_cache_under_each_accepted_name(name):
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 __all__ = ["CACHE_KWARG", "cache_kwargs", "cache_from", "either_cache"]
 
@@ -23,8 +24,10 @@ def cache_kwargs(cache: Any) -> dict:
 
 def cache_from(named: Mapping[str, Any], *also: str) -> Optional[Any]:
     """The cache in ``named`` (a call's kwargs, ``model_kwargs`` or a ``ModelOutput``), the installed
-    version's name first, then the other one, then ``also`` (e.g. GPT-NeoX attention's ``layer_past``); None if none."""
-    for name in (CACHE_KWARG, *({"cache", "past_key_values"} - {CACHE_KWARG}), *also):
+    version's name first, then the other one, then ``also`` (e.g. GPT-NeoX attention's ``layer_past``); None if none.
+    A ``ModelOutput`` is read by the installed name only (5.24's map the old one to it, with a warning)."""
+    other = () if isinstance(named, ModelOutput) else tuple({"cache", "past_key_values"} - {CACHE_KWARG})
+    for name in (CACHE_KWARG, *other, *also):
         if named.get(name) is not None:
             return named[name]
     return None
