@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 from test_hf import ARCHS, GREEDY, prompts, tiny  # noqa: E402
 
 from kvmeans.models.hf_cache import KVMCache  # noqa: E402
-from kvmeans.models.hf_compat import CACHE_KWARG  # noqa: E402
+from kvmeans.models.hf_compat import CACHE_KWARG, cache_from, cache_kwargs  # noqa: E402
 
 C = 4                                   # chunk_len: every verification of >= 4 tokens crosses a boundary
 SMALL = dict(chunk_len=C, ovq_chunk_len=C, swa_window=6)
@@ -74,7 +74,7 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(arch, monkeypatch):
 def logits(m, ids, cache, keep=0):
     """``keep``: logits of the last ``keep`` positions only (as a call with ids fed in front returns them)."""
     with torch.no_grad():
-        return m(ids, past_key_values=cache, logits_to_keep=keep).logits
+        return m(ids, **cache_kwargs(cache), logits_to_keep=keep).logits
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -138,7 +138,7 @@ def test_long_replays_run_alone_and_move_the_snapshot_up():
 def test_crop_refuses_what_it_cannot_restore():
     m = model("kvm")
     ids = prompts([10])[0][None]
-    plain = m(ids).past_key_values
+    plain = cache_from(m(ids))
     plain.crop(0)
     with pytest.raises(ValueError, match="activate_past_recording"):
         plain.crop(-1)

@@ -15,6 +15,7 @@ from kvmeans.models.config import with_budget  # noqa: E402
 from kvmeans.models.convert import build_tiny_reference_checkpoint  # noqa: E402
 from kvmeans.models.convert_hf import parse_kvm_spec  # noqa: E402
 from kvmeans.models.hf import KVMConfig, KVMForCausalLM  # noqa: E402
+from kvmeans.models.hf_compat import cache_from  # noqa: E402
 from kvmeans.ops.budget import StateBudget, parse_budget_spec  # noqa: E402
 from kvmeans.ops.schedule import rows_after  # noqa: E402
 from kvmeans.train.data import write_token_file  # noqa: E402
@@ -48,7 +49,7 @@ def kvm_rows(model, ids):
     """State rows of every KVM layer after a prefill of ``ids``."""
     with torch.no_grad():
         out = model(ids, use_cache=True)
-    cache = out.past_key_values.groups[0].cache
+    cache = cache_from(out).groups[0].cache
     return [st.num_rows for st, m in zip(cache.layers, cache.mixers) if m == "kvm"], out.logits
 
 

@@ -10,6 +10,7 @@ import torch
 tf = pytest.importorskip("transformers")
 from kvmeans.models.convert_hf import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 from kvmeans.models.hf_kvm_cache import KVMCacheLayer, cache_nbytes  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 from kvmeans.ops.budget import StateBudget  # noqa: E402
 from kvmeans.ops.pretrained import ConvertedKVMState, converted_kvm_attention, rotate, unrotate  # noqa: E402
 
@@ -62,9 +63,9 @@ def test_prefill_then_token_by_token_decode_equals_one_forward(family):
     full = model(x).logits
     assert (full - tiny(family)(x).logits).abs().max() > 1e-4          # the state is in use
     out = model(x[:, :37], use_cache=True)
-    cache, parts = out.past_key_values, [out.logits]
+    cache, parts = cache_from(out), [out.logits]
     for t in range(37, 100):
-        out = model(x[:, t:t + 1], past_key_values=cache, use_cache=True)
+        out = model(x[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
         parts.append(out.logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
     layer = cache.layers[model.config.kvm_conversion["layers"][0]]
@@ -108,8 +109,8 @@ def test_beam_search_with_the_kvm_cache_equals_beam_search_without_cache():
 def test_cache_bytes_fixed_budget_flat_and_below_the_kv_cache():
     model = convert_hf(tiny("llama"), **SMALL)
     plain = tiny("llama")
-    sizes = [cache_nbytes(model(ids(T), use_cache=True).past_key_values) for T in (200, 400)]
-    kv = cache_nbytes(plain(ids(400), use_cache=True).past_key_values)
+    sizes = [cache_nbytes(cache_from(model(ids(T), use_cache=True))) for T in (200, 400)]
+    kv = cache_nbytes(cache_from(plain(ids(400), use_cache=True)))
     assert sizes[0] == sizes[1] < kv / 5
 
 

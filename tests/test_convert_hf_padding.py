@@ -11,6 +11,7 @@ from test_eval_kvm_flag import _lm_eval, _niah, llama_dir  # noqa: E402,F401  (l
 
 from kvmeans.models.convert_hf import convert_hf  # noqa: E402
 from kvmeans.models.hf_kvm_cache import KVMCacheLayer  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 
 LENGTHS = (61, 44, 29)         # chunk grids offset by 17 and 32 tokens (chunk_len 8): boundaries differ per row
 GREEDY = dict(do_sample=False, pad_token_id=0)
@@ -48,7 +49,7 @@ def test_left_padded_batch_logits_equal_each_row_alone(family):
         alone = model(s[None]).logits[0]
         torch.testing.assert_close(out.logits[i, w - len(s):], alone, rtol=0, atol=1e-5)
     # the cache counts columns (pads included), as transformers slices inputs by it
-    layer = out.past_key_values.layers[model.config.kvm_conversion["layers"][0]]
+    layer = cache_from(out).layers[model.config.kvm_conversion["layers"][0]]
     assert isinstance(layer, KVMCacheLayer) and layer.get_seq_length() == w and len(layer.state.parts) == 3
 
 
@@ -84,7 +85,7 @@ def test_pads_never_reach_the_state_or_the_window():
 # ---- crop -------------------------------------------------------------------------------------------
 
 def logits(model, x, cache):
-    return model(x, past_key_values=cache, use_cache=True).logits
+    return model(x, **cache_kwargs(cache), use_cache=True).logits
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])

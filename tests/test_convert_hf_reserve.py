@@ -15,6 +15,7 @@ from test_convert_hf import ids, tiny  # noqa: E402
 from test_convert_hf_padding import left_pad, positions, rows  # noqa: E402
 
 from kvmeans.models.convert_hf import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 
 RESERVE = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6)     # pool 10 rows + 6 slots
 
@@ -172,7 +173,7 @@ def test_converted_llama_decodes_and_generates_like_full_forwards():
     assert (full - convert_hf(tiny("llama"), **{**RESERVE, "exact_rows": 0})(x).logits).abs().max() > 1e-4
     cache = tf.DynamicCache(config=model.config)
     steps = [x[:, :37], *x[:, 37:].split(1, 1)]                             # prefill, then token by token
-    decoded = torch.cat([model(s, past_key_values=cache, use_cache=True).logits for s in steps], 1)
+    decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
     torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
     assert cache.layers[0].state.num_rows == 16
     x = ids(30)
@@ -195,12 +196,12 @@ def test_save_load_left_padding_and_crop_keep_the_reserve(tmp_path):
         torch.testing.assert_close(padded[i, xp.shape[1] - len(s):], model(s[None]).logits[0], rtol=0, atol=1e-5)
     x, draft = ids(80, B=1, seed=4), ids(7, B=1, seed=5)
     want_cache, cache = tf.DynamicCache(config=model.config), tf.DynamicCache(config=model.config)
-    model(x[:, :45], past_key_values=want_cache, use_cache=True)
-    want = model(x[:, 45:], past_key_values=want_cache, use_cache=True).logits
-    model(x[:, :44], past_key_values=cache, use_cache=True)
-    model(torch.cat((x[:, 44:45], draft[:, 1:]), 1), past_key_values=cache, use_cache=True)   # crosses 48
+    model(x[:, :45], **cache_kwargs(want_cache), use_cache=True)
+    want = model(x[:, 45:], **cache_kwargs(want_cache), use_cache=True).logits
+    model(x[:, :44], **cache_kwargs(cache), use_cache=True)
+    model(torch.cat((x[:, 44:45], draft[:, 1:]), 1), **cache_kwargs(cache), use_cache=True)   # crosses 48
     cache.crop(-6)
-    torch.testing.assert_close(model(x[:, 45:], past_key_values=cache, use_cache=True).logits, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model(x[:, 45:], **cache_kwargs(cache), use_cache=True).logits, want, rtol=0, atol=1e-5)
 
 
 def test_learned_read_out_gates_the_reserved_tokens():
@@ -213,9 +214,9 @@ def test_learned_read_out_gates_the_reserved_tokens():
     with torch.no_grad():
         full = model(x).logits
         out = model(x[:, :53], use_cache=True)
-        rest = model(x[:, 53:], past_key_values=out.past_key_values, use_cache=True).logits
+        rest = model(x[:, 53:], **cache_kwargs(cache_from(out)), use_cache=True).logits
         torch.testing.assert_close(torch.cat((out.logits, rest), 1), full, rtol=0, atol=1e-5)
-        state = out.past_key_values.layers[0].state.parts[0][1]
+        state = cache_from(out).layers[0].state.parts[0][1]
         assert not torch.equal(state.reserve_count, (state.reserve_count > 0).to(state.reserve_count.dtype))
     model(x).logits.square().mean().backward()
     grad = model.model.layers[0].self_attn.kvm_gate_weight.grad

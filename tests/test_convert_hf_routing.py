@@ -9,6 +9,7 @@ from kvmeans.ops.pretrained_routing import merge_closest_pairs, route_novel
 
 tf = pytest.importorskip("transformers")
 from kvmeans.models.convert_hf import KVMSpec, convert_hf, parse_kvm_spec  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 
 
 def _rows(*keys):
@@ -96,7 +97,7 @@ def test_converted_llama_with_novel_rows_continues_like_one_forward_and_parses()
     x = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1))
     full = model(x).logits
     first = model(x[:, :29], use_cache=True)
-    rest = model(x[:, 29:], past_key_values=first.past_key_values, use_cache=True)
+    rest = model(x[:, 29:], **cache_kwargs(cache_from(first)), use_cache=True)
     torch.testing.assert_close(torch.cat((first.logits, rest.logits), 1), full, rtol=0, atol=1e-5)
     assert model.config.kvm_conversion["novel_rows"] == 3
     assert parse_kvm_spec("novel_rows=4") == {"novel_rows": 4}

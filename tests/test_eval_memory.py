@@ -15,6 +15,7 @@ from kvmeans.eval.memory import (PAPER_BUDGETS, full_attention_kv_bytes, measure
                                  schedule_curves)
 from kvmeans.models import KVMLanguageModel, KVMModelConfig, preset  # noqa: E402
 from kvmeans.models.hf import KVMForCausalLM  # noqa: E402
+from kvmeans.models.hf_compat import cache_from  # noqa: E402
 from kvmeans.ops.budget import StateBudget  # noqa: E402
 from kvmeans.ops.schedule import rows_after  # noqa: E402
 
@@ -47,7 +48,7 @@ def test_measurements_match_schedule_cache_and_formula():
         # cache bytes are exactly what the transformers cache reports after the same prefill
         ids = torch.randint(0, 64, (2, n))
         with torch.no_grad():
-            cache = model(ids, use_cache=True).past_key_values
+            cache = cache_from(model(ids, use_cache=True))
         assert r["cache_bytes"] == cache.nbytes == sum(x["nbytes"] for x in r["layers"])
         assert [x["nbytes"] for x in r["layers"]] == [cache.layer_nbytes(i) for i in range(4)]
         assert r["full_attn_kv_bytes"] == 2 * 4 * 2 * 2 * n * 8 * 4 == full_attention_kv_bytes(cfg, n, 2, torch.float32)

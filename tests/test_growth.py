@@ -275,6 +275,7 @@ def test_from_pretrained_with_a_novelty_budget(tmp_path):
     pytest.importorskip("transformers")
     from kvmeans.models import KVMLanguageModel, KVMModelConfig
     from kvmeans.models.hf import KVMForCausalLM
+    from kvmeans.models.hf_compat import cache_from, cache_kwargs
     from kvmeans.utils.testing import perturb_identity_init
     torch.manual_seed(0)
     lm = KVMLanguageModel(KVMModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, chunk_len=8,
@@ -288,9 +289,9 @@ def test_from_pretrained_with_a_novelty_budget(tmp_path):
         out = model(ids[:, :70], use_cache=True)
         steps = [out.logits]
         for t in range(70, 90):
-            out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+            out = model(ids[:, t:t + 1], **cache_kwargs(cache_from(out)), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
-    cache = out.past_key_values.groups[0].cache
+    cache = cache_from(out).groups[0].cache
     counts = torch.stack([st.row_count for st, m in zip(cache.layers, cache.mixers) if m == "kvm"])
     assert counts.min() >= 8 and counts.max() <= 24 and counts.unique().numel() > 1

@@ -15,6 +15,7 @@ from kvmeans.models.convert import (build_tiny_reference_checkpoint, convert_ref
                                     read_converted_checkpoint)
 from kvmeans.models.hf import KVMConfig, KVMForCausalLM  # noqa: E402
 from kvmeans.models.hf_cache import KVMCache  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 from kvmeans.utils.testing import perturb_identity_init  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, chunk_len=8,
@@ -94,13 +95,13 @@ def test_reorder_cache_moves_every_layer_state(grouped):
     model, seqs = tiny("kvm+swa"), prompts([12, 12, 12] if not grouped else [12, 7, 12])
     ids, mask = left_pad(seqs)
     with torch.no_grad():
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = cache_from(model(ids, attention_mask=mask))
         assert len(cache.groups) == (2 if grouped else 1)
         idx = torch.tensor([2, 0, 0, 1])
         cache.reorder_cache(idx)
         nxt = torch.tensor([[5], [6], [7], [8]])
         got = model(nxt, attention_mask=torch.cat([mask[idx], torch.ones(4, 1, dtype=torch.long)], 1),
-                    past_key_values=cache).logits[:, -1]
+                    **cache_kwargs(cache)).logits[:, -1]
     for j, i in enumerate(idx.tolist()):
         want = full_logits(model, torch.cat([seqs[i], nxt[j]])[None])[0, -1]
         torch.testing.assert_close(got[j], want, rtol=1e-4, atol=1e-5)
@@ -135,7 +136,7 @@ def test_right_padded_scoring_equals_per_sequence(arch):
         assert not out.logits[i, len(s):].any()                       # pads: zero logits
         total += torch.nn.functional.cross_entropy(want[:-1], s[1:], reduction="sum").item()
         count += len(s) - 1
-    assert out.logits.dtype == torch.float32 and out.past_key_values is None   # labels: no cache by default
+    assert out.logits.dtype == torch.float32 and cache_from(out) is None   # labels: no cache by default
     assert out.loss.item() == pytest.approx(total / count, rel=1e-4)
 
 
@@ -145,17 +146,17 @@ def test_multi_token_continuation_equals_full_forward():
         ids = torch.stack([seqs[0], seqs[0].flip(0)])
         parts, cache = [], None
         for a, b in ((0, 7), (7, 16), (16, 17), (17, 30)):
-            out = model(ids[:, a:b], past_key_values=cache)
+            out = model(ids[:, a:b], **cache_kwargs(cache))
             parts.append(out.logits)
-            cache = out.past_key_values
+            cache = cache_from(out)
         torch.testing.assert_close(torch.cat(parts, 1), full_logits(model, ids), rtol=1e-4, atol=1e-5)
         assert cache.get_seq_length() == 30 and cache.to_model_cache().seen_tokens == 30
         # left-padded prefill, then a multi-token continuation with the mask extended
         ids, mask = left_pad([seqs[0][:9], seqs[1][:16]])
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = cache_from(model(ids, attention_mask=mask))
         more = torch.stack([seqs[0][9:14], seqs[1][16:21]])
         mask2 = torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], 1)
-        got = model(more, attention_mask=mask2, past_key_values=cache).logits
+        got = model(more, attention_mask=mask2, **cache_kwargs(cache)).logits
     for i, n in enumerate((14, 21)):
         torch.testing.assert_close(got[i], full_logits(model, seqs[i][None, :n])[0, -5:], rtol=1e-4, atol=1e-5)
 
@@ -163,7 +164,7 @@ def test_multi_token_continuation_equals_full_forward():
 def test_generate_continues_a_returned_cache():
     model, ids = tiny("kvm"), torch.stack(prompts([6, 6]))
     first = model.generate(ids, max_new_tokens=5, return_dict_in_generate=True, **GREEDY)
-    again = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=6, **GREEDY)
+    again = model.generate(first.sequences, **cache_kwargs(cache_from(first)), max_new_tokens=6, **GREEDY)
     assert torch.equal(again, model.generate(ids, max_new_tokens=11, **GREEDY))
 
 
@@ -177,15 +178,15 @@ def test_chunked_prefill_and_a_user_dynamic_cache_give_the_same_tokens():
     over = model.generate(torch.cat([extra, ids], 1), attention_mask=torch.cat([extra, mask], 1), max_new_tokens=6,
                           prefill_chunk_size=4, **GREEDY)
     assert torch.equal(over[:, 4:], want)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, past_key_values=DynamicCache(),
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, **cache_kwargs(DynamicCache()),
                          return_dict_in_generate=True, **GREEDY)
-    assert torch.equal(out.sequences, want) and isinstance(out.past_key_values, KVMCache)
+    assert torch.equal(out.sequences, want) and isinstance(cache_from(out), KVMCache)
 
 
 def test_cache_api_memory_and_refusals():
     model = tiny("kvm+swa")
     out = model(torch.stack(prompts([20, 20])))
-    cache = out.past_key_values
+    cache = cache_from(out)
     assert isinstance(cache, KVMCache) and len(cache) == 4 and cache.get_seq_length() == 20
     report = cache.report()
     assert [r["mixer"] for r in report] == ["swa", "kvm", "swa", "kvm"]
@@ -194,12 +195,12 @@ def test_cache_api_memory_and_refusals():
     cache.crop(0)
     with pytest.raises(ValueError, match="activate_past_recording"):   # rollback needs recording on
         cache.crop(-1)
-    assert model(torch.tensor([[1, 2]]), past_key_values=DynamicCache()).past_key_values.get_seq_length() == 2
+    assert cache_from(model(torch.tensor([[1, 2]]), **cache_kwargs(DynamicCache()))).get_seq_length() == 2
     with pytest.raises(TypeError, match="KVMCache"):
-        model(torch.tensor([[1]]), past_key_values=_non_empty_dynamic_cache())
-    one = model(torch.tensor([[1]])).past_key_values
+        model(torch.tensor([[1]]), **cache_kwargs(_non_empty_dynamic_cache()))
+    one = cache_from(model(torch.tensor([[1]])))
     with pytest.raises(ValueError, match="attention_mask has 3 columns"):
-        model(torch.tensor([[1]]), attention_mask=torch.ones(1, 3), past_key_values=one)
+        model(torch.tensor([[1]]), attention_mask=torch.ones(1, 3), **cache_kwargs(one))
     with pytest.raises(NotImplementedError):
         model(inputs_embeds=torch.zeros(1, 2, 32))
     cache.batch_repeat_interleave(2)

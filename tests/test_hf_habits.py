@@ -10,6 +10,7 @@ pytest.importorskip("safetensors")
 
 from kvmeans.models import KVMLanguageModel, KVMModelConfig  # noqa: E402
 from kvmeans.models.hf import KVMForCausalLM  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 from kvmeans.utils.testing import TOLERANCES, assert_close, perturb_identity_init  # noqa: E402
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, chunk_len=8,
@@ -102,7 +103,7 @@ def _grads(model, x, split=None):
         loss = model(x, labels=x).loss
     else:
         first = model(x[:, :split], use_cache=True)
-        second = model(x[:, split:], past_key_values=first.past_key_values)
+        second = model(x[:, split:], **cache_kwargs(cache_from(first)))
         loss = first.logits.logsumexp(-1).mean() + second.logits.logsumexp(-1).mean()
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -144,7 +145,7 @@ def test_from_pretrained_refuses_another_architecture_up_front(tmp_path, monkeyp
 # ---- caches returned by beam search --------------------------------------------------------------------
 def _step(model, cache, tokens):
     with torch.no_grad():
-        return model(tokens, past_key_values=cache).logits[:, -1]
+        return model(tokens, **cache_kwargs(cache)).logits[:, -1]
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one-group", "padded-groups"])
@@ -155,7 +156,7 @@ def test_a_beam_search_cache_continues_through_select(padded):
         x[1, :3], mask[1, :3] = 0, 0
     out = model.generate(x, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False,
                          pad_token_id=0, return_dict_in_generate=True)
-    cache, nxt = out.past_key_values, out.sequences[:1, -1:]
+    cache, nxt = cache_from(out), out.sequences[:1, -1:]
     assert cache.batch_size == 6 and cache.columns == out.sequences.shape[1] - 1
     with pytest.raises(ValueError, match=r"holds 6 sequences but input_ids has batch 1; .*beam search holds "
                                          r"every beam: continue some of them with cache.select\(rows\)"):
@@ -192,11 +193,11 @@ def test_compiled_model_compiles_prefill_and_decode_once(fresh_dynamo):
         assert prefill_frames <= 10
         compiled(ids(1, 20, seed=5))                                  # a new sequence of the same length
         assert counter.frame_count == prefill_frames
-        cache, ref_cache, tok = out.past_key_values, ref.past_key_values, ref.logits[:, -1:].argmax(-1)
+        cache, ref_cache, tok = cache_from(out), cache_from(ref), ref.logits[:, -1:].argmax(-1)
         for step in range(12):                                        # 20 -> 32 tokens: 2 chunk boundaries
             if step == 2:
                 warm = counter.frame_count                            # T=1 shapes and a moving position seen
-            out, ref = compiled(tok, past_key_values=cache), model(tok, past_key_values=ref_cache)
+            out, ref = compiled(tok, **cache_kwargs(cache)), model(tok, **cache_kwargs(ref_cache))
             torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
             tok = ref.logits[:, -1:].argmax(-1)
     assert counter.frame_count == warm <= 20

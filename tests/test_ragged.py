@@ -11,6 +11,8 @@ from kvmeans.utils.testing import make_inputs
 pytest.importorskip("transformers")
 from test_hf import GREEDY, left_pad, prompts, tiny  # noqa: E402
 
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
+
 BUDGETS = {"fixed": StateBudget.fixed(8), "sqrt": StateBudget.power_law(2.0, 0.5, min_len=4),
            "saturating": StateBudget.saturating(14, min_len=4)}
 LENGTHS = [1, 3, 4, 6, 9, 12, 17, 22]      # first chunk, boundaries, inactive and active states (C=4, L=8)
@@ -178,14 +180,14 @@ def test_ragged_cache_continues_with_padded_and_multi_token_calls():
     full = lambda i, n: model(seqs[i][None, :n], use_cache=False).logits[0, -1]
     ids, mask = left_pad([s[:n] for s, n in zip(seqs, (5, 11, 14))])
     with torch.no_grad():
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = cache_from(model(ids, attention_mask=mask))
         more = torch.stack([s[n:n + 2] for s, n in zip(seqs, (5, 11, 14))])    # unpadded: merged, ragged
-        cache = model(more, past_key_values=cache).past_key_values
+        cache = cache_from(model(more, **cache_kwargs(cache)))
         assert len(cache.groups) == 1 and cache.to_model_cache().layers[0].schedule.seen == (7, 13, 16)
         pad = torch.zeros(3, 2, dtype=torch.long)                               # rows take 0, 1, 2 tokens
         last = torch.stack([pad[0], torch.tensor([0, seqs[1][13]]), seqs[2][16:18]])
         m = torch.tensor([[0, 0], [0, 1], [1, 1]])
-        got = model(last, attention_mask=m, past_key_values=cache).logits[:, -1]
+        got = model(last, attention_mask=m, **cache_kwargs(cache)).logits[:, -1]
         for i, n in ((1, 14), (2, 18)):
             torch.testing.assert_close(got[i], full(i, n), rtol=1e-4, atol=1e-5)
         assert cache.lengths.tolist() == [7, 14, 18]

@@ -342,13 +342,14 @@ def test_left_padded_batch_equals_solo_rows():
 
 def test_left_padded_rows_decode_in_one_call_per_step():
     model = tiny_hf()
+    from kvmeans.models.hf_compat import cache_from, cache_kwargs
     seqs, ids, mask = left_padded((4, 13, 9))
     with torch.no_grad():
-        cache = model(ids, attention_mask=mask).past_key_values
+        cache = cache_from(model(ids, attention_mask=mask))
         assert len(cache.groups) == 3                                  # prefilled by length
         nxt = torch.randint(1, 64, (3, 1))
         got = model(nxt, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
-                    past_key_values=cache).logits[:, -1]
+                    **cache_kwargs(cache)).logits[:, -1]
         assert len(cache.groups) == 1                                  # merged: one batched state per layer
         for i, s in enumerate(seqs):
             want = model(torch.cat([s, nxt[i]])[None], use_cache=False).logits[0, -1]
@@ -357,6 +358,7 @@ def test_left_padded_rows_decode_in_one_call_per_step():
 
 def test_save_load_round_trip(tmp_path):
     from kvmeans.models.hf import KVMForCausalLM
+    from kvmeans.models.hf_compat import cache_from
     model, ids = tiny_hf(), torch.randint(0, 64, (2, 20))
     model.save_pretrained(tmp_path)
     loaded = KVMForCausalLM.from_pretrained(tmp_path)
@@ -364,7 +366,7 @@ def test_save_load_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     with torch.no_grad():
-        cache = model(ids).past_key_values.to_model_cache()
+        cache = cache_from(model(ids)).to_model_cache()
     torch.save(cache.layers[0], tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert torch.equal(state.state, cache.layers[0].state) and state.seen_tokens == 20
