@@ -194,12 +194,17 @@ def test_save_load_left_padding_and_crop_keep_the_reserve(tmp_path):
     padded = model(xp, attention_mask=mask, position_ids=positions(mask)).logits
     for i, s in enumerate(seqs):
         torch.testing.assert_close(padded[i, xp.shape[1] - len(s):], model(s[None]).logits[0], rtol=0, atol=1e-5)
+    assert_crop_replays(model)
+
+
+def assert_crop_replays(model):
+    """A rejected draft that crossed a chunk boundary (48), cropped: the next tokens as if never drafted."""
     x, draft = ids(80, B=1, seed=4), ids(7, B=1, seed=5)
     want_cache, cache = tf.DynamicCache(config=model.config), tf.DynamicCache(config=model.config)
     model(x[:, :45], **cache_kwargs(want_cache), use_cache=True)
     want = model(x[:, 45:], **cache_kwargs(want_cache), use_cache=True).logits
     model(x[:, :44], **cache_kwargs(cache), use_cache=True)
-    model(torch.cat((x[:, 44:45], draft[:, 1:]), 1), **cache_kwargs(cache), use_cache=True)   # crosses 48
+    model(torch.cat((x[:, 44:45], draft[:, 1:]), 1), **cache_kwargs(cache), use_cache=True)
     cache.crop(-6)
     torch.testing.assert_close(model(x[:, 45:], **cache_kwargs(cache), use_cache=True).logits, want, rtol=0, atol=1e-5)
 

@@ -12,6 +12,7 @@ With ``spec.learned`` the layer also carries KVM's learned read-out as parameter
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from transformers import AttentionInterface
 from ..models.hf_compat import cache_from
 from ..models.hf_kvm_cache import kvm_cache_layer
 from ..ops.pretrained import converted_kvm_attention
+from ..ops.pretrained_board import NoveltyBoard
 from ..ops.pretrained_batch import ConvertedBatchState
 
 ATTN_IMPLEMENTATION = "kvmeans_converted"
@@ -49,8 +51,16 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
         budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
         sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
         softcap=softcap, log_count_bias=spec.log_count_bias, novel_rows=spec.novel_rows,
-        exact_rows=spec.exact_rows, **learned_readout(module, hidden_states))
+        exact_rows=spec.exact_rows, layer_novelty=_layer_novelty(module), **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_novelty(module) -> Optional[Callable]:
+    """The reserve's ranking shared across the converted layers (``exact_scope="model"``), or None."""
+    spec, board = module.kvm_spec, getattr(module, "kvm_board", None)
+    if not spec.exact_rows or spec.exact_scope != "model" or board is None:
+        return None
+    return functools.partial(board.combine, module.kvm_layer_pos)
 
 
 def learned_readout(module, hidden_states) -> dict:
@@ -77,22 +87,27 @@ def _capture(module, args, kwargs):
     cache = cache_from(named, "layer_past")      # GPT-NeoX attention calls it layer_past
     state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
     module._kvm_call = (state, named.get("position_embeddings"), named.get("hidden_states"))
+    if getattr(module, "kvm_layer_pos", None) == 0 and module.kvm_board is not None:
+        module.kvm_board.clear()        # a forward that failed midway leaves nothing for the next
 
 
 def _release(module, args, output):
     module.__dict__.pop("_kvm_call", None)
 
 
-def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Callable] = None) -> None:
+def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Callable] = None,
+                            board: Optional[NoveltyBoard] = None, layer_pos: int = 0) -> None:
     """Make ``module`` (a transformers attention layer with ``layer_idx``) run KVM with ``spec`` (a
     ``kvmeans.models.convert_hf.KVMSpec``); ``rope_at(distance, like) -> (cos [R], sin [R])`` is the model's
-    RoPE at one position (needed by ``rope_mode='pre_rope_fixed'``)."""
+    RoPE at one position (needed by ``rope_mode='pre_rope_fixed'``); ``board`` the model's
+    :class:`NoveltyBoard` and ``layer_pos`` this layer's place among the converted ones (``exact_scope``)."""
     if getattr(module, "kvm_spec", None) is not None:
         raise ValueError(f"attention layer {module.layer_idx} is already converted; convert the original model once")
     module.config = copy.copy(module.config)
     module.config._attn_implementation_internal = ATTN_IMPLEMENTATION   # this layer only (no sub-config walk)
     module.kvm_spec = spec
     module.kvm_rope_at = rope_at
+    module.kvm_board, module.kvm_layer_pos = board, layer_pos
     module._kvm_signature = inspect.signature(module.forward)
     if spec.learned:
         add_learned_parameters(module)

@@ -18,10 +18,13 @@ from ..layers.hf_attention import convert_attention_layer
 from ..ops.budget import StateBudget, as_budget
 from ..ops.budget import parse_budget_spec as _parse_budget
 from ..ops.pretrained import ROPE_MODES
+from ..ops.pretrained_board import NoveltyBoard
 from ..utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
 # model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
+EXACT_SCOPES = ("model", "layer")
+
 FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
             "gpt_neox": True, "gpt2": False}
 
@@ -39,7 +42,9 @@ class KVMSpec:
     ``novel_rows``: at a full budget each block that leaves the window gives its most novel tokens this many
     rows of their own, freed by merging the most similar pairs of rows (``kvmeans.ops.pretrained_routing``);
     ``exact_rows``: rows of the budget kept as a reserve of single tokens, the most novel ones, read exactly
-    (``kvmeans.ops.pretrained_reserve``; 0: none);
+    (``kvmeans.ops.pretrained_reserve``; 0: none); ``exact_scope``: how the reserve ranks a token, ``"model"``
+    (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
+    ``kvmeans.ops.pretrained_board``) or ``"layer"`` (each layer by its own novelty);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.layers.hf_attention.add_learned_parameters``), initialised to the training-free read.
     """
@@ -52,6 +57,7 @@ class KVMSpec:
     log_count_bias: bool = True
     novel_rows: int = 0
     exact_rows: int = 0
+    exact_scope: str = "model"
     learned: bool = False
 
     def __post_init__(self):
@@ -75,6 +81,9 @@ class KVMSpec:
                              if most is not None else f"exact_rows must be >= 0, got {self.exact_rows}")
         if self.exact_rows and self.novel_rows:
             raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
+        if self.exact_scope not in EXACT_SCOPES:
+            raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
+                             f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
 
     @property
     def state_budget(self):
@@ -125,7 +134,7 @@ def parse_kvm_spec(text: str) -> dict:
             out[key] = _parse_layers(val)
         elif key == "budget":
             out[key] = _parse_budget(val)
-        elif key == "rope_mode":
+        elif key in ("rope_mode", "exact_scope"):
             out[key] = val
         elif key in ("log_count_bias", "learned"):
             if val not in ("true", "false", "1", "0"):
@@ -218,8 +227,9 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
             raise ValueError(f"layers: {i} is not an attention layer index (0..{len(attn) - 1})")
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
-    for i in chosen:
-        convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None)
+    board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
+    for pos, i in enumerate(chosen):
+        convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
     if not getattr(model, "_kvm_padding_hook", False):
         model.register_forward_pre_hook(_pass_padding, with_kwargs=True)
         model.register_forward_hook(_drop_padding, always_call=True)

@@ -119,12 +119,14 @@ def _cat(a: Optional[Tensor], b: Tensor) -> Tensor:
 
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
-             n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0) -> None:
+             n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
+             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.ops.pretrained_routing``; with
     ``exact_rows`` the block first passes the reserve, ``kvmeans.ops.pretrained_reserve``, and the pool's
-    budget is ``exact_rows`` less)."""
+    budget is ``exact_rows`` less; ``layer_novelty(start, score) -> score`` ranks a block by its novelty
+    agreed across layers, ``kvmeans.ops.pretrained_board``)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
@@ -159,6 +161,8 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
             score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
+            if layer_novelty is not None:
+                score = layer_novelty(start, score)
             kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
             st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept
             if not n_out:
@@ -188,6 +192,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
                             sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
+                            layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
                             state_temp: Optional[Tensor] = None, window_temp: Optional[Tensor] = None) -> Tensor:
@@ -198,7 +203,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
     absolute position, so any split of a sequence (prefill + decode) gives the same result. ``novel_rows``:
     novelty-preserving routing at a full budget (``kvmeans.ops.pretrained_routing``; 0: KVM's routing);
-    ``exact_rows``: slots of the budget that keep the most novel tokens exactly (``kvmeans.ops.pretrained_reserve``).
+    ``exact_rows``: slots of the budget that keep the most novel tokens exactly (``kvmeans.ops.pretrained_reserve``),
+    ranked by ``layer_novelty(start, score)`` when given (novelty agreed across layers, ``ops.pretrained_board``).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -233,7 +239,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     c0, c1 = start // C, -(-(start + T) // C)
     rows = []                                      # the state each chunk of queries reads (tensors are not
     for c in range(c0, c1):                        # updated in place, so these are snapshots)
-        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows, exact_rows)
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows, exact_rows,
+                 layer_novelty)
         rows.append(state.read_rows())
     # every chunk at once: queries padded to whole chunks, window = the L positions ending at the chunk's end
     nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)

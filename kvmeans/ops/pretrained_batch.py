@@ -21,6 +21,8 @@ tensors (shared with the live state until they change) and the q/k/v of ``3 * re
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -122,6 +124,8 @@ class ConvertedBatchState:
                 if n > 0:
                     args = {name: (_take(t, r, mask, n, PER_TOKEN[name]) if name in PER_TOKEN and t is not None
                                    else t) for name, t in kwargs.items()}
+                    if args.get("layer_novelty") is not None:      # the part's own entries on the board
+                        args["layer_novelty"] = functools.partial(args["layer_novelty"], rows=tuple(r.tolist()))
                     res = fn(*(_take(x, r, mask, n, 2) for x in (q, k, v)), sub, **args)
                     dev = r.to(out.device)
                     if mask is None:
