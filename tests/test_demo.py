@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmeans import demo
-from kvmeans.eval.synthetic import KEY, multikey_batch
+from kvmeans.eval.synthetic import KEY, VAL, multikey_batch, passkey_needle_len
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,6 +161,35 @@ def test_recall_table_gives_mean_and_range_over_seeds_or_the_one_seed():
         res = dict(lengths=[128], seeds=[r["seed"] for r in runs], models=demo.summarize(runs, ["bswa"], [128]))
         table = demo.format_table(res)
         assert cell in table and note in table
+
+
+def test_passkey_trains_on_the_query_key_too():
+    s = demo.demo_settings()
+    x, y = demo.make_batch(s, 4, s["train_len"], seed=3)
+    target = demo.train_targets(s, x, y)
+    q = s["train_len"] - passkey_needle_len(s["key_len"])              # the query's KEY
+    assert (x[:, q] == KEY).all() and (x[:, q + 3] == VAL).all()
+    assert torch.equal(target[:, q:q + 2], x[:, q + 1:q + 3])         # KEY -> k_1, k_1 -> k_2
+    assert (y[:, q:q + 2] == -100).all()                              # evaluation scores the digits only
+    digits = y != -100
+    assert digits.sum(1).tolist() == [3] * 4 and torch.equal(target[digits], y[digits])
+    assert ((target != -100) & ~digits).sum(1).tolist() == [2] * 4
+    assert demo.train_targets({**s, "key_targets": False}, x, y) is y
+    mk = demo.demo_settings(task="multikey")
+    xm, ym = demo.make_batch(mk, 2, 128, seed=0)
+    assert demo.train_targets(mk, xm, ym) is ym                       # other tasks train on what they score
+
+    # the key targets change the training, and the reported loss stays the answer's
+    tiny = {**tiny_settings(), "steps": 2, "warmup": 1}
+    runs = {flag: demo.train_model("bswa", {**tiny, "key_targets": flag}, 0, "cpu") for flag in (True, False)}
+    w = [r["model"].lm_head.weight for r in runs.values()]
+    assert not torch.equal(w[0], w[1])
+    first = dict(tiny, steps=1)
+    reported = []
+    model = demo.train_model("bswa", {**first, "lr": 0.0}, 0, "cpu", lambda n, loss: reported.append(loss))["model"]
+    x, y = demo.make_batch(first, first["batch"], first["train_len"], seed=0)
+    with torch.no_grad():
+        assert reported[0] == pytest.approx(float(model.loss(x, y)), rel=1e-5)
 
 
 def test_task_choice_and_unknown_task_refused(tmp_path, monkeypatch, capsys):
