@@ -3,9 +3,9 @@
 Five tiny language models of the same size are trained for the same number of steps, once per seed, on
 a synthetic recall task at a short training length ``T``, differing only in their sequence mixer. The
 task (``task=`` in :func:`demo_settings`, ``--task``) is by default ``passkey``: one needle at a random depth,
-queried at the end (trained on the query's key and answer, scored on the answer); ``multikey`` is passkeys with distractors, one key-value needle per 32 tokens (4 at
-``T = 128``, 32 at ``8T``) and 4 of them queried at the end, so the memory a model needs grows with the
-context; ``mqar`` is multi-query associative recall.
+queried at the end (trained on the query's key and answer, scored on the answer); ``multikey`` is passkeys
+with distractors, one key-value needle per 32 tokens (4 at ``T = 128``, 32 at ``8T``) and 4 of them queried
+at the end, so the memory a model needs grows with the context; ``mqar`` is multi-query associative recall.
 
 * ``rwkv7``:     RWKV-7, a fixed-state RNN (a matrix state per head, on its own backbone),
 * ``kvm-fixed``: KVM with a fixed state budget (memory flat in the context length),
