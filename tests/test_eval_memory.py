@@ -76,12 +76,57 @@ def test_schedule_curves_paper_budgets_to_a_million_tokens():
 
 
 def test_parse_budget():
-    assert parse_budget("fixed:128") == ("fixed-128", StateBudget.fixed(128))
-    assert parse_budget("sqrt:16")[1] == PAPER_BUDGETS["16*sqrt(N)"]
-    assert parse_budget("saturating:1024")[1] == PAPER_BUDGETS["saturating-1024"]
-    assert parse_budget("power:2:0.75:64")[1] == StateBudget.power_law(2, 0.75, min_len=64)
-    with pytest.raises(ValueError, match="--budget"):
-        parse_budget("sqrt")
+    # this command's aliases
+    assert parse_budget("sqrt:16") == ("16*sqrt(N)", PAPER_BUDGETS["16*sqrt(N)"])
+    assert parse_budget("power:2:0.75:64") == ("2*N^0.75 (min 64)", StateBudget.power_law(2, 0.75, min_len=64))
+    assert parse_budget("power:2:0.75")[1] == StateBudget.power_law(2, 0.75)
+    # every other command's grammar (parse_budget_spec), one label per distinct budget
+    assert parse_budget("fixed:128") == parse_budget("128") == ("fixed-128", StateBudget.fixed(128))
+    assert parse_budget("power_law:16:0.5:256") == ("16*N^0.5 (min 256)", PAPER_BUDGETS["16*sqrt(N)"])
+    assert parse_budget("power_law:3") == ("3*N^0.5", StateBudget.power_law(3))
+    assert parse_budget("saturating:1024") == ("saturating-1024", StateBudget.saturating(1024))
+    assert parse_budget("saturating:1024:1") == ("saturating-1024 (min 1)", PAPER_BUDGETS["saturating-1024"])
+    assert parse_budget("novelty:0.3:512") == ("novelty-0.3 (cap 512)", StateBudget.novelty(0.3, 512))
+    assert parse_budget("power_law:0.1:0.5")[0] != parse_budget("power_law:0.1000001:0.5")[0]
+    # saturating:N means min 0 now (as everywhere); the rows are the paper's min-1 budget's at every length
+    assert all(rows_after(StateBudget.saturating(1024), n, 256, 2) == rows_after(PAPER_BUDGETS["saturating-1024"], n,
+                                                                                 256, 2) for n in (1, 300, 5000))
+    for bad in ("sqrt", "cube:3", "power:1", "fixed:x", "novelty:3:512", "sqrt:1:2"):
+        with pytest.raises(ValueError, match=r"^--budget '.*' is not one of N, fixed:N, .*novelty:THRESHOLD:CAP.* "
+                                             r"aliases sqrt:F .* power:F:E\[:MIN\]$"):
+            parse_budget(bad)
+
+
+def test_schedule_curves_novelty_is_a_bound():
+    """Under a novelty budget the schedule knows only the most rows (every token novel, up to the cap), which the
+    op reaches with threshold 0 on random keys; threshold 2 keeps the first chunk's rows."""
+    from kvmeans import kvm_attention
+    from kvmeans.utils.testing import make_inputs
+    C, nb, cap = 4, 2, 9
+    rows = schedule_curves([3, 13, 61], {"nov": StateBudget.novelty(0.0, cap), "fixed": StateBudget.fixed(6)}, C, nb)
+    got = {(r["budget"], r["N"]): (r["state_rows"], r["max_state_rows"]) for r in rows}
+    assert got[("nov", 3)] == (None, 3) and got[("nov", 13)] == (None, 8) and got[("nov", 61)] == (None, cap)
+    assert got[("fixed", 61)] == (6, 6)
+    for t in (3, 13, 61):
+        x = make_inputs(T=t, D=8)
+        for threshold, want in ((0.0, got[("nov", t)][1]), (2.0, min(t, C))):
+            _, st = kvm_attention(x["q"], x["k"], x["v"], chunk_len=C, n_bswa_chunks=nb, sink_len=1,
+                                  budget=StateBudget.novelty(threshold, cap), return_state=True, backend="naive")
+            assert st.num_rows == want
+    with pytest.raises(ValueError, match="cap 3 is below chunk_len 4"):
+        schedule_curves([8], {"nov": StateBudget.novelty(0.5, 3)}, C, nb)
+
+
+def test_cli_schedule_takes_every_commands_budget_forms(tmp_path, capsys):
+    out = tmp_path / "s"
+    assert kvmeans_cli(["eval", "memory", "--schedule", "--lengths", "256", "4096", "--budget", "power_law:16:0.5:256",
+                        "--budget", "novelty:0.3:1024", "--budget", "sqrt:16", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "<= 1024 (novelty)" in printed and "16*N^0.5 (min 256)" in printed and "16*sqrt(N)" in printed
+    rows = {(r["budget"], r["N"]): r for r in csv.DictReader(open(out / "schedule.csv"))}
+    assert rows[("novelty-0.3 (cap 1024)", "4096")]["state_rows"] == ""
+    assert rows[("novelty-0.3 (cap 1024)", "4096")]["max_state_rows"] == "1024"
+    assert rows[("16*N^0.5 (min 256)", "4096")]["state_rows"] == rows[("16*sqrt(N)", "4096")]["state_rows"] == "991"
 
 
 def test_cli_preset_and_schedule_write_outputs(tmp_path, capsys):
@@ -117,11 +162,14 @@ def test_cli_preset_and_schedule_write_outputs(tmp_path, capsys):
 @pytest.mark.parametrize("args, msg", [
     ([], "--model DIR"),
     (["--preset", "nope"], "--preset 'nope'"),
-    (["--schedule", "--budget", "cube:3"], "--budget"),
+    (["--schedule", "--budget", "cube:3"], "--budget 'cube:3' is not one of N, fixed:N,"),
+    (["--schedule", "--budget", "novelty:0.5:100"], "--budget novelty-0.5 (cap 100): cap 100 is below chunk_len 256"),
+    (["--preset", "tiny-cpu", "--budget", "fixed:8"], "--budget sets the --schedule curves"),
     (["--preset", "tiny-cpu", "--label", "a", "--label", "b"], "--label"),
     (["--model", "/no/such/dir"], "--model /no/such/dir"),
 ])
 def test_cli_errors_name_the_argument(args, msg, capsys):
-    with pytest.raises(SystemExit) as e:
-        kvmeans_cli(["eval", "memory", *args])
-    assert e.value.code == 2 and msg in capsys.readouterr().err
+    """One line, ``kvmeans eval memory: error: ...``, exit code 2 (no usage block)."""
+    assert kvmeans_cli(["eval", "memory", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmeans eval memory: error: ") and err.count("\n") == 1 and msg in err, err

@@ -28,7 +28,11 @@ spec (``config.kvm``) and each model's ``kvm_conversion``.
 Schedule mode (``--schedule``): no forward, only :func:`kvmeans.ops.schedule.rows_after` for the
 paper's budgets (fixed 256 rows, 16 sqrt(N) with min 256, saturating 1024 N / (1024 + N)) or
 ``--budget`` specs, with ``--chunk-len``/``--n-bswa-chunks`` (default 256 / 2): state rows after a
-fresh sequence of N tokens, for N up to millions in a moment; full attention holds N rows.
+fresh sequence of N tokens, for N up to millions in a moment; full attention holds N rows. ``--budget``
+takes what every command's ``--budget`` takes (``N``, ``fixed:N``, ``saturating:N[:MIN_LEN]``,
+``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``, ``novelty:THRESHOLD:CAP``) and the aliases ``sqrt:F``
+(``power_law:F:0.5:256``) and ``power:F:E[:MIN]``. A novelty budget's rows depend on the keys: the
+table shows ``<= M (novelty)``, the most rows it can reach (``max_state_rows``; ``state_rows`` empty).
 
 Outputs under ``--out`` (atomic): ``memory.json``, ``memory.csv`` (one row per model and length),
 ``memory.png`` (state rows vs N; cache bytes vs N next to full attention; log-log) and, in schedule
@@ -48,13 +52,13 @@ import torch
 from ..bench.report import format_table, human_bytes, plot_panels, write_csv, write_json
 from ..cli import add_kvm_argument, check_model_dir, kvm_settings, load_model, parse_kvm_arg
 from ..models.config import KVMModelConfig, budget_to_dict
-from ..ops.budget import StateBudget
+from ..ops.budget import StateBudget, as_budget, is_data_dependent, parse_budget_spec
 from ..ops.schedule import rows_after
-from ..utils.cli import check_device, check_out_dir, run_main
+from ..utils.cli import UsageError, check_device, check_out_dir, run_main
 from .position_loss import backbone_parts
 
-__all__ = ["PAPER_BUDGETS", "parse_budget", "schedule_curves", "measure_model", "full_attention_kv_bytes",
-           "cache_layers", "main"]
+__all__ = ["PAPER_BUDGETS", "parse_budget", "budget_label", "schedule_curves", "measure_model",
+           "full_attention_kv_bytes", "cache_layers", "main"]
 
 PAPER_BUDGETS: Dict[str, StateBudget] = {
     "fixed-256": StateBudget.fixed(256),
@@ -64,39 +68,69 @@ PAPER_BUDGETS: Dict[str, StateBudget] = {
 
 
 # ---- schedule mode ----------------------------------------------------------------------------------
+BUDGET_FORMS = ("N, fixed:N, saturating:N[:MIN_LEN], power_law:FACTOR[:EXPONENT[:MIN_LEN]], novelty:THRESHOLD:CAP "
+                "(THRESHOLD in [0, 2]) or the aliases sqrt:F (= power_law:F:0.5:256) and power:F:E[:MIN]")
+
+
+def _num(x: float) -> str:
+    """``x`` short (``%g``) unless that loses digits."""
+    return f"{x:g}" if float(f"{x:g}") == x else repr(x)
+
+
+def budget_label(budget: StateBudget) -> str:
+    """A short name of ``budget`` for tables and plots: ``fixed-256``, ``16*N^0.5 (min 256)``, ``saturating-1024``,
+    ``novelty-0.3 (cap 1024)``; distinct budgets get distinct names."""
+    least = f" (min {budget.min_len})" if budget.min_len else ""
+    if budget.kind == "fixed":
+        return f"fixed-{budget.n}"
+    if budget.kind == "saturating":
+        return f"saturating-{budget.n}{least}"
+    if budget.kind == "power_law":
+        return f"{_num(budget.factor)}*N^{_num(budget.exponent)}{least}"
+    return f"novelty-{_num(budget.threshold)} (cap {budget.n})"
+
+
 def parse_budget(spec: str) -> Tuple[str, StateBudget]:
-    """``fixed:N``, ``sqrt:F`` (F sqrt(N), min 256), ``power:F:E[:MIN]``, ``saturating:N`` -> (label, budget)."""
-    parts = spec.split(":")
+    """A ``--budget`` spec -> ``(label, budget)``: the grammar of every command's ``--budget``
+    (:func:`~kvmeans.ops.budget.parse_budget_spec`) plus this command's aliases ``sqrt:F`` (F sqrt(N), min 256:
+    the paper's, labelled ``F*sqrt(N)``) and ``power:F:E[:MIN]`` (``power_law:F:E[:MIN]``)."""
+    kind, _, rest = spec.partition(":")
     try:
-        kind, args = parts[0], [float(x) for x in parts[1:]]
-        if kind == "fixed" and len(args) == 1:
-            return f"fixed-{int(args[0])}", StateBudget.fixed(int(args[0]))
-        if kind == "sqrt" and len(args) == 1:
-            return f"{args[0]:g}*sqrt(N)", StateBudget.power_law(args[0], 0.5, min_len=256)
-        if kind == "power" and len(args) in (2, 3):
-            mn = int(args[2]) if len(args) == 3 else 0
-            return f"{args[0]:g}*N^{args[1]:g}", StateBudget.power_law(args[0], args[1], min_len=mn)
-        if kind == "saturating" and len(args) == 1:
-            return f"saturating-{int(args[0])}", StateBudget.saturating(int(args[0]), min_len=1)
+        if kind == "sqrt" and rest and ":" not in rest:
+            budget = StateBudget.power_law(float(rest), 0.5, min_len=256)
+            return f"{_num(budget.factor)}*sqrt(N)", budget
+        shared = f"power_law:{rest}" if kind == "power" and rest.count(":") in (1, 2) else spec
+        budget = as_budget(parse_budget_spec(shared))
     except ValueError:
-        pass
-    raise ValueError(f"--budget {spec!r}: expected fixed:N, sqrt:F, power:F:E[:MIN] or saturating:N")
+        raise ValueError(f"--budget {spec!r} is not one of {BUDGET_FORMS}") from None
+    return budget_label(budget), budget
 
 
 def schedule_curves(lengths: Sequence[int], budgets: Optional[Dict[str, Callable[[int], int]]] = None,
                     chunk_len: int = 256, n_bswa_chunks: int = 2) -> List[Dict[str, Any]]:
-    """Rows ``[{"budget", "N", "state_rows", "window_tokens", "full_attention_rows"}]`` from the schedule
-    alone (state rows after a fresh sequence of N tokens; the window holds the current partial chunk
-    plus n-1 full ones)."""
+    """Rows ``[{"budget", "N", "state_rows", "max_state_rows", "window_tokens", "full_attention_rows"}]`` from the
+    schedule alone (state rows after a fresh sequence of N tokens; the window holds the current partial chunk
+    plus n-1 full ones). Under a novelty budget the rows depend on the keys: ``state_rows`` is None and
+    ``max_state_rows`` the most they can reach (every token novel, up to the cap); otherwise the two are equal.
+    ``ValueError`` for a novelty cap below ``chunk_len`` (``kvm_attention`` refuses it)."""
     from ..ops.schedule import bswa_begin
     budgets = PAPER_BUDGETS if budgets is None else budgets
     out = []
     for label, b in budgets.items():
+        if is_data_dependent(b) and b.n < chunk_len:
+            raise ValueError(f"{label}: cap {b.n} is below chunk_len {chunk_len} (the first chunk's rows); "
+                             f"use a cap >= {chunk_len}")
         for n in lengths:
-            out.append({"budget": label, "N": int(n), "state_rows": rows_after(b, int(n), chunk_len, n_bswa_chunks),
-                        "window_tokens": int(n) - bswa_begin(int(n), chunk_len, n_bswa_chunks),
+            rows = rows_after(b, int(n), chunk_len, n_bswa_chunks)
+            out.append({"budget": label, "N": int(n), "state_rows": None if is_data_dependent(b) else rows,
+                        "max_state_rows": rows, "window_tokens": int(n) - bswa_begin(int(n), chunk_len, n_bswa_chunks),
                         "full_attention_rows": int(n)})
     return out
+
+
+def _rows_cell(row: Dict[str, Any]) -> Union[int, str]:
+    """``state_rows``, or ``<= M (novelty)`` where the rows depend on the data."""
+    return row["state_rows"] if row["state_rows"] is not None else f"<= {row['max_state_rows']} (novelty)"
 
 
 # ---- model mode -------------------------------------------------------------------------------------
@@ -282,13 +316,13 @@ def write_schedule_outputs(out_dir: Union[str, Path], rows: Sequence[Dict[str, A
                            ) -> Dict[str, Path]:
     out = Path(out_dir)
     paths = {"json": write_json(out / "schedule.json", {"config": config, "rows": list(rows)}),
-             "csv": write_csv(out / "schedule.csv", ["budget", "N", "state_rows", "window_tokens",
+             "csv": write_csv(out / "schedule.csv", ["budget", "N", "state_rows", "max_state_rows", "window_tokens",
                                                      "full_attention_rows"], rows)}
     series: Dict[str, Tuple[List[int], List[int]]] = {}
     for r in rows:
-        xs, ys = series.setdefault(r["budget"], ([], []))
+        xs, ys = series.setdefault(r["budget"] + (" (at most)" if r["state_rows"] is None else ""), ([], []))
         xs.append(r["N"])
-        ys.append(r["state_rows"])
+        ys.append(r["max_state_rows"])
     ns = sorted({r["N"] for r in rows})
     series["full attention (N)"] = (ns, ns)
     panel = {"title": "state size vs context length (schedule)", "xlabel": "N (tokens)", "ylabel": "state rows",
@@ -320,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="model dtype (auto: as stored; presets: float32)")
     p.add_argument("--schedule", action="store_true", help="also (or only) draw the budgets' state-size curves")
     p.add_argument("--budget", action="append", default=None, metavar="SPEC",
-                   help="schedule mode: fixed:N, sqrt:F, power:F:E[:MIN], saturating:N (default: the paper's three)")
+                   help=f"schedule mode (repeatable): {BUDGET_FORMS} (default: the paper's three)")
     p.add_argument("--chunk-len", type=int, default=256, help="schedule mode: chunk length C (default 256)")
     p.add_argument("--n-bswa-chunks", type=int, default=2, help="schedule mode: window chunks n (default 2)")
     p.add_argument("--out", default="memory", help="output folder (default ./memory)")
@@ -346,39 +380,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kvm = parse_kvm_arg(a.kvm)
     sources = [("model", d) for d in a.model] + [("preset", n) for n in a.preset]
     if not sources and not a.schedule:
-        p.error("give --model DIR and/or --preset NAME (e.g. --preset tiny-cpu), or --schedule for budgets only")
+        raise UsageError("give --model DIR and/or --preset NAME (e.g. --preset tiny-cpu), "
+                         "or --schedule for budgets only")
     if kvm is not None and a.preset:
-        p.error("--kvm converts transformers --model folders; presets are KVM models already")
+        raise UsageError("--kvm converts transformers --model folders; presets are KVM models already")
     if a.label is not None and len(a.label) != len(sources):
-        p.error(f"give one --label per --model/--preset ({len(sources)}), or none")
+        raise UsageError(f"give one --label per --model/--preset ({len(sources)}), or none")
     if a.lengths is not None and min(a.lengths) < 1:
-        p.error(f"--lengths must be >= 1, got {min(a.lengths)}")
+        raise UsageError(f"--lengths must be >= 1, got {min(a.lengths)}")
     if a.decode_tokens < 0 or a.batch_size < 1 or a.chunk_len < 1 or a.n_bswa_chunks < 1:
-        p.error("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
+        raise UsageError("need --decode-tokens >= 0, --batch-size >= 1, --chunk-len >= 1 and --n-bswa-chunks >= 1")
     check_device("--device", a.device)
     check_out_dir("--out", a.out)
     from ..models.config import PRESETS
     for kind, name in sources:
         if kind == "preset" and name not in PRESETS:
-            p.error(f"--preset {name!r}: unknown; available: {', '.join(sorted(PRESETS))}")
+            raise UsageError(f"--preset {name!r}: unknown; available: {', '.join(sorted(PRESETS))}")
         if kind == "model" and not Path(name).is_dir():
-            p.error(f"--model {name}: no such directory")
+            raise UsageError(f"--model {name}: no such directory")
         if kind == "model":
             check_model_dir(name)
+    if a.budget and not a.schedule:
+        raise UsageError("--budget sets the --schedule curves (a model is measured under its own budget); "
+                         "add --schedule")
     try:
         budgets = dict(parse_budget(s) for s in a.budget) if a.budget else None
     except ValueError as err:
-        p.error(str(err))
+        raise UsageError(str(err)) from None
     if a.threads is not None:
         if a.threads < 1:
-            p.error(f"--threads must be >= 1, got {a.threads}")
+            raise UsageError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
     written: List[Path] = []
     if a.schedule:
         lengths = a.lengths or [2 ** k for k in range(8, 21)]
-        rows = schedule_curves(lengths, budgets, a.chunk_len, a.n_bswa_chunks)
+        try:
+            rows = schedule_curves(lengths, budgets, a.chunk_len, a.n_bswa_chunks)
+        except ValueError as err:
+            raise UsageError(f"--budget {err}") from None
         labels = list((budgets or PAPER_BUDGETS).keys())
-        table = [[n] + [next(r["state_rows"] for r in rows if r["budget"] == b and r["N"] == n) for b in labels] + [n]
+        table = [[n] + [next(_rows_cell(r) for r in rows if r["budget"] == b and r["N"] == n) for b in labels] + [n]
                  for n in lengths]
         print(format_table(["N"] + labels + ["full attention"], table))
         cfg = {"chunk_len": a.chunk_len, "n_bswa_chunks": a.n_bswa_chunks,

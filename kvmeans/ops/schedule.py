@@ -77,7 +77,8 @@ def plan_updates(budget: Callable[[int], int], coverage: int, rows: int, total: 
 
 
 def rows_after(budget: Callable[[int], int], total: int, chunk_len: int, n_bswa_chunks: int) -> int:
-    """State rows after a fresh sequence of ``total`` tokens (the paper's Figure 1 curve)."""
+    """State rows after a fresh sequence of ``total`` tokens (the paper's Figure 1 curve); under a novelty budget,
+    whose ``budget(t)`` is its cap, the most rows it can reach (every token novel)."""
     rows = min(total, chunk_len)
     for step in plan_updates(budget, rows, rows, total, chunk_len, n_bswa_chunks):
         rows = step.rows_after
