@@ -189,11 +189,12 @@ def _generate(argv: List[str]) -> int:
 
     hf_logging.disable_progress_bar()
     tok = _load_tokenizer(a.model)
+    ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] == 0:                      # before the model loads
+        raise UsageError(f"--prompt {a.prompt!r} encodes to no tokens; give some text")
     dtype = a.dtype if a.dtype == "auto" else getattr(torch, a.dtype)
     model = load_model(a.model, dtype, device, kvm, budget)
-    ids = tok(a.prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-    if ids.shape[1] == 0:
-        p.error("the prompt encodes to no tokens")
+    ids = ids.to(device)
     vocab = model.get_input_embeddings().num_embeddings
     if int(ids.max()) >= vocab:
         raise UsageError(f"--model {a.model}: the prompt has token id {int(ids.max())} but the model has {vocab} "

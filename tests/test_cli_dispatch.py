@@ -15,7 +15,7 @@ def test_help_and_unknown_names(cmd, noun, names, capsys):
     assert f"kvmeans {cmd}: unknown {noun} 'nope'; available: {', '.join(names)}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, prog", [(["bench", "ops", "--help"], "kvmeans.bench.ops"),
+@pytest.mark.parametrize("argv, prog", [(["bench", "ops", "--help"], "kvmeans bench ops"),
                                          (["eval", "memory", "--help"], "kvmeans eval memory")])
 def test_dispatch_reaches_the_module(argv, prog, capsys):
     with pytest.raises(SystemExit) as exit_:          # the module's own argparse answers --help

@@ -17,7 +17,7 @@ def fails(argv, capsys, *needles):
     """Run ``kvmeans argv`` in-process: exit 2 and exactly one stderr line naming the command and ``needles``."""
     assert cli(argv) == 2
     err = capsys.readouterr().err
-    prog = "kvmeans " + " ".join(argv[:2] if argv[0] in ("bench", "eval", "data") else argv[:1])
+    prog = "kvmeans " + " ".join(argv[:2] if argv[0] in ("bench", "eval", "data", "models") else argv[:1])
     assert err.startswith(f"{prog}: error: ") and err.count("\n") == 1, err
     assert all(n in err for n in needles), err
     return err
@@ -69,9 +69,22 @@ def test_cuda_on_a_cpu_machine(files, capsys):
     (["--sink-len", "64", "--chunk-len", "64"], "--sink-len 64 must be below --chunk-len 64"),
     (["--rope-dim", "65"], "--rope-dim 65 must be at most --head-dim 64"),
     (["--lengths", "512", "0"], "--lengths must be >= 1, got 0"),
+    # an explicit 0 is an error, not the default (it ran the whole benchmark at B=1 / H=8 / D=64)
+    (["--batch", "0", "--repeats", "0"], "--batch must be >= 1, got 0"),
+    (["--heads", "0", "--repeats", "0"], "--heads must be >= 1, got 0"),
+    (["--kv-heads", "0", "--repeats", "0"], "--kv-heads must be >= 1, got 0"),
+    (["--head-dim", "0", "--repeats", "0"], "--head-dim must be >= 1, got 0"),
 ])
 def test_bench_ops_errors(capsys, args, needle):
     fails(["bench", "ops"] + args, capsys, needle)
+
+
+def test_argparse_errors_name_the_command(capsys):
+    """argparse's own errors (usage, then one ``error:`` line) carry the command as the user typed it."""
+    with pytest.raises(SystemExit) as e:
+        cli(["bench", "ops", "--lengths", "x"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith("kvmeans bench ops: error: argument --lengths"), last
 
 
 def test_bench_ops_out_file(files, capsys):
@@ -115,13 +128,20 @@ def test_no_traceback_reaches_stderr(files):
             p.stderr
 
 
-def test_model_folder_without_weights(files, capsys):
+@pytest.fixture
+def no_weights(files):
+    """A KVM model folder with config.json and a tokenizer but no weights."""
     pytest.importorskip("transformers")
     from kvmeans.models.hf import KVMConfig
     from kvmeans.train.tokenizers import gpt2_hf_tokenizer, save_tokenizer
     d = files / "no_weights"
     KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2).save_pretrained(d)
     save_tokenizer(gpt2_hf_tokenizer(), d)
+    return d
+
+
+def test_model_folder_without_weights(files, no_weights, capsys):
+    d = no_weights
     fails(["generate", "--prompt", "hi", "--model", str(d)], capsys, f"--model {d}: ", "model.safetensors")
     fails(["eval", "memory", "--model", str(d), "--lengths", "8"], capsys, f"--model {d}: ", "model.safetensors")
     fails(["eval", "memory", "--model", str(files)], capsys, "no config.json")
@@ -138,3 +158,32 @@ def test_convert_and_data_prepare_errors(files, capsys):
     fails(["convert", str(files / "no_tokenizer"), str(files / "a_file")], capsys, "DST", "a_file is a file")
     fails(["convert", str(files / "no_tokenizer"), str(files / "dst")], capsys, "lacks required key")
     fails(["data", "prepare", "--input", "builtin", "--out", str(files / "a_file")], capsys, "a_file is a file")
+
+
+def test_generate_empty_prompt_is_refused_before_the_model_loads(no_weights, capsys):
+    fails(["generate", "--prompt", "", "--model", str(no_weights)], capsys, "--prompt '' encodes to no tokens")
+
+
+def test_output_folders_that_are_files(files, capsys):
+    """Refused up front (they raised FileExistsError / NotADirectoryError tracebacks, eval ppl after its run)."""
+    model = str(files / "no_tokenizer")                 # has a config.json
+    fails(["bench", "pretrained", "--model", model, "--out", str(files / "a_file")], capsys, "--out", "a_file is a file")
+    fails(["eval", "ppl", "--model", model, "--out", str(files / "a_file")], capsys, "--out", "a_file is a file")
+    fails(["models", "fetch", "smollm2-135m", "--cache-dir", str(files / "a_file")], capsys, "--cache-dir",
+          "a_file is a file")
+    assert (files / "a_file").read_text() == "x"
+
+
+def test_eval_ppl_arms_error_names_the_argument(files, capsys):
+    fails(["eval", "ppl", "--model", str(files / "no_tokenizer"), "--arms", "full,nope"], capsys,
+          "--arms full,nope: arm 'nope'")
+
+
+def test_train_budget_takes_the_budget_grammar(capsys):
+    """--model.budget takes what every command's --budget takes (it wanted a dict or an int)."""
+    from kvmeans.train.config import parse_overrides, resolve_config
+    cfg = resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", "power_law:16:0.5:256"])).model.build()
+    assert cfg.budget == {"kind": "power_law", "factor": 16.0, "min_len": 256} and cfg.state_budget()(4096) == 1024
+    cfg = resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", "novelty:0.3:512"])).model.build()
+    assert cfg.budget == {"kind": "novelty", "n": 512, "threshold": 0.3}
+    fails(["train", "--model.budget", "nope"], capsys, "model.budget: budget 'nope' is not one of N, fixed:N,")

@@ -68,7 +68,7 @@ class OpsResult:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvmeans.bench.ops", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="kvmeans bench ops", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), help="default float32 on cpu, bfloat16 on cuda")
@@ -100,10 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     paper, quick = a.paper_shape, a.quick
-    a.batch = a.batch or (8 if paper else 1)
-    a.heads = a.heads or (32 if paper else 8)
-    a.kv_heads = a.kv_heads or a.heads
-    a.head_dim = a.head_dim or (128 if paper else 64)
+    a.batch = (8 if paper else 1) if a.batch is None else a.batch      # an explicit 0 is checked, not defaulted
+    a.heads = (32 if paper else 8) if a.heads is None else a.heads
+    a.kv_heads = a.heads if a.kv_heads is None else a.kv_heads
+    a.head_dim = (128 if paper else 64) if a.head_dim is None else a.head_dim
     a.rope_dim = a.head_dim // 2 if a.rope_dim is None else a.rope_dim
     a.dtype = a.dtype or ("bfloat16" if paper or a.device == "cuda" else "float32")
     a.numerics = a.numerics or ("mixed" if a.dtype in ("bfloat16", "float16") else "exact")

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..eval import ruler
-from ..utils.cli import UsageError
+from ..utils.cli import UsageError, check_out_dir
 from ..utils.io import atomic_write_text
 
 __all__ = ["Arm", "chat_parts", "niah_samples", "ruler_samples", "sample_sha256", "write_samples", "read_samples",
@@ -419,6 +419,7 @@ def _check(p, a) -> None:
         p.error(f"need 0 <= --sinks < --ppl-keys, got {a.sinks} and {a.ppl_keys}")
     if not (Path(a.model) / "config.json").is_file():
         raise UsageError(f"--model {a.model}: no config.json there; give a transformers model folder")
+    check_out_dir("--out", a.out)
     for path in a.kvpress_results or []:
         if not Path(path).is_file():
             p.error(f"--kvpress-results {path}: no such file; run benchmarks/kvpress/run_kvpress.py first")

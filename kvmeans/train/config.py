@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..models.config import PRESETS as MODEL_PRESETS
-from ..models.config import KVMModelConfig, preset
+from ..models.config import KVMModelConfig, budget_to_dict, preset
 
 __all__ = ["ModelSection", "DataSection", "OptimSection", "TrainSection", "RunConfig", "RUN_PRESETS",
            "ConfigError", "resolve_config", "parse_overrides"]
@@ -187,6 +187,13 @@ def field_type(sec: str, key: str):
 
 
 def _check(sec: str, key: str, value: Any) -> Any:
+    if (sec, key) == ("model", "budget") and isinstance(value, str):    # a spec, as every command's --budget takes
+        from ..ops.budget import parse_budget_spec
+        try:
+            value = parse_budget_spec(value)
+        except ValueError as err:
+            raise ConfigError(f"model.budget: {err}") from None
+        value = value if isinstance(value, int) else budget_to_dict(value)
     if (sec, key) == ("model", "budget") and isinstance(value, int) and not isinstance(value, bool):
         value = {"kind": "fixed", "n": value}       # an int budget is StateBudget.fixed, as in the op
     value = _coerce(value, field_type(sec, key), f"{sec}.{key}")
