@@ -187,3 +187,15 @@ def test_train_budget_takes_the_budget_grammar(capsys):
     cfg = resolve_config("tiny-cpu", overrides=parse_overrides(["--model.budget", "novelty:0.3:512"])).model.build()
     assert cfg.budget == {"kind": "novelty", "n": 512, "threshold": 0.3}
     fails(["train", "--model.budget", "nope"], capsys, "model.budget: budget 'nope' is not one of N, fixed:N,")
+
+
+def test_eval_input_errors_are_one_error_line(files, no_weights, capsys):
+    """position-loss, niah and ruler printed ``<prog>: <message>`` (no ``error:``); a file that is no token file
+    did not name --data."""
+    fails(["eval", "position-loss", "--model", str(files), "--data", str(files / "a_file")], capsys,
+          f"--data {files / 'a_file'}: not a kvmeans token file")
+    fails(["eval", "position-loss", "--model", str(files), "--data", str(files / "nope.bin")], capsys,
+          "--data", "no such token file")
+    for task in ("niah", "ruler"):
+        fails(["eval", task, "--model", str(no_weights), "--lengths", "256", "--haystack-file",
+               str(files / "nope.json")], capsys, "--haystack-file", "no such file")

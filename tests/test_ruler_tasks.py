@@ -350,4 +350,4 @@ def test_cli_refuses_qa_and_small_lengths_in_one_line(byte_model_dir, tmp_path, 
     assert ruler_main(["--model", str(byte_model_dir), "--tasks", "vt", "--lengths", "600",
                        "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvmeans eval ruler: --lengths 600 is too small for vt") and "\n" not in err
+    assert err.startswith("kvmeans eval ruler: error: --lengths 600 is too small for vt") and "\n" not in err

@@ -314,7 +314,7 @@ def main(argv: List[str]) -> int:
         for task in a.tasks:   # fail fast (before loading the model) on lengths that cannot hold the template
             ruler.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay)
     except (ValueError, FileNotFoundError) as err:
-        print(f"{prog}: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     model, run_config = load_run_model(a, kvm, budget)
     results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,

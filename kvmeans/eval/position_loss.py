@@ -72,7 +72,10 @@ def open_token_data(path: Union[str, Path], split: str = "val") -> TokenFile:
         p = f
     if not p.is_file():
         raise FileNotFoundError(f"--data {p}: no such token file (make one with `kvmeans data prepare`)")
-    return TokenFile(p)
+    try:
+        return TokenFile(p)
+    except ValueError as err:                   # the message starts with the path
+        raise ValueError(f"--data {err}") from None
 
 
 def document_spans(tf: TokenFile, min_len: int, eos_id: Optional[int] = None, windows: bool = False,
@@ -330,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tf = open_token_data(a.data, a.split)
         spans, info = document_spans(tf, a.ctx + 1, eos_id=a.eos_id, windows=a.windows, max_docs=a.max_docs)
     except (FileNotFoundError, ValueError) as err:
-        print(f"{prog}: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     if not spans:
         if info["mode"] == "windows":
@@ -339,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             why = (f"none of its {info['documents']} documents (delimited by eos_id={info['eos_id']}"
                    f"{', and cram windows' if tf.packing == 'cram' else ''}) has --ctx + 1 = {a.ctx + 1} tokens; "
                    f"the longest has {info['longest']}")
-        print(f"{prog}: --data {tf.path}: {why}. Lower --ctx (e.g. --ctx {max(1, info['longest'] - 1)}), use "
+        print(f"{prog}: error: --data {tf.path}: {why}. Lower --ctx (e.g. --ctx {max(1, info['longest'] - 1)}), use "
               "longer documents, or --windows to score the stream as windows", file=sys.stderr)
         return 2
     for d in a.model:
@@ -356,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        a.logits_chunk, a.device)
             results[-1]["kvm_conversion"] = kvm_settings(model)
         except ValueError as err:
-            print(f"{prog}: {err}", file=sys.stderr)
+            print(f"{prog}: error: {err}", file=sys.stderr)
             return 2
         del model
     config = {"data": str(tf.path), "tokenizer_id": tf.header.get("tokenizer_id"), "ctx": a.ctx, "block": a.block,

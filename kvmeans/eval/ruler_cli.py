@@ -202,7 +202,7 @@ def main(argv: List[str]) -> int:
         for task in dict.fromkeys(a.tasks):   # fail fast (before loading the model) on lengths too small
             rt.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay, qa_data=qa_data)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        print(f"{prog}: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     model, run_config = load_run_model(a, kvm, budget)
     results = run_ruler(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
