@@ -158,6 +158,18 @@ def test_convert_and_data_prepare_errors(files, capsys):
     fails(["convert", str(files / "no_tokenizer"), str(files / "a_file")], capsys, "DST", "a_file is a file")
     fails(["convert", str(files / "no_tokenizer"), str(files / "dst")], capsys, "lacks required key")
     fails(["data", "prepare", "--input", "builtin", "--out", str(files / "a_file")], capsys, "a_file is a file")
+    # flags named as typed (was val_fraction), a 1-token cram window refused (was written, with no targets)
+    fails(["data", "prepare", "--input", "builtin", "--out", str(files / "o"), "--val-fraction", "2"], capsys,
+          "--val-fraction must be in [0, 1), got 2.0")
+    fails(["data", "prepare", "--input", "builtin", "--out", str(files / "o"), "--packing", "cram", "--seq-len", "0"],
+          capsys, "--seq-len must be >= 1, got 0")
+    assert not (files / "o").exists()
+
+
+def test_cram_refuses_windows_without_targets(tmp_path):
+    from kvmeans.train.prepare import prepare_tokens
+    with pytest.raises(ValueError, match="seq_len must be >= 1 for cram packing, got 0"):
+        prepare_tokens(["builtin"], tmp_path / "o", "builtin", packing="cram", seq_len=0)
 
 
 def test_generate_empty_prompt_is_refused_before_the_model_loads(no_weights, capsys):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..utils.cli import check_out_dir, run_main
+from ..utils.cli import UsageError, check_out_dir, run_main
 from .data import builtin_documents, token_dtype, write_token_file
 from .tokenizers import eos_token_id, load_tokenizer, save_tokenizer
 
@@ -152,6 +152,8 @@ def prepare_tokens(inputs: Sequence[Union[str, Path]], out_dir: Union[str, Path]
         raise ValueError(f"packing must be 'concat' or 'cram', got {packing!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if packing == "cram" and seq_len < 1:           # windows of seq_len + 1 tokens: one token has no target
+        raise ValueError(f"seq_len must be >= 1 for cram packing, got {seq_len}")
     if isinstance(tokenizer, (str, Path)):
         tokenizer, spec_id, spec_eos = load_tokenizer(str(tokenizer), vocab_size)
         tokenizer_id = tokenizer_id or spec_id
@@ -230,6 +232,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val document split")
     a = p.parse_args(argv)
     check_out_dir("--out", a.out)
+    if not 0 <= a.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be in [0, 1), got {a.val_fraction}")
+    if a.seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {a.seq_len}")
     try:
         prepare_tokens(a.input, a.out, a.tokenizer, packing=a.packing, seq_len=a.seq_len,
                        val_fraction=a.val_fraction, seed=a.seed, text_field=a.text_field, vocab_size=a.vocab_size)
