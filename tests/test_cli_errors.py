@@ -211,3 +211,11 @@ def test_eval_input_errors_are_one_error_line(files, no_weights, capsys):
     for task in ("niah", "ruler"):
         fails(["eval", task, "--model", str(no_weights), "--lengths", "256", "--haystack-file",
                str(files / "nope.json")], capsys, "--haystack-file", "no such file")
+
+
+def test_lm_eval_unknown_task(no_weights, capsys):
+    """lm-eval raised its unknown-task ValueError as a traceback."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    fails(["eval", "lm-eval", "--model", str(no_weights), "--tasks", "no_such_task_xyz"], capsys,
+          "--tasks: Tasks not found: no_such_task_xyz")

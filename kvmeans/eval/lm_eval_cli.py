@@ -113,6 +113,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cli_evaluate()
     except SystemExit as e:     # argparse errors / --help
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except ValueError as err:   # lm-eval (0.4.x) raises its unknown-task error as a plain ValueError
+        if not str(err).startswith("Tasks not found"):
+            raise
+        raise UsageError(f"--tasks: {str(err).splitlines()[0]} (lm-eval's task names; local YAMLs need "
+                         "--include_path)") from None
     finally:
         sys.argv = saved
     return 0
