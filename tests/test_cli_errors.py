@@ -186,9 +186,11 @@ def test_output_folders_that_are_files(files, capsys):
     assert (files / "a_file").read_text() == "x"
 
 
-def test_eval_ppl_arms_error_names_the_argument(files, capsys):
+def test_eval_ppl_errors_name_the_argument(files, capsys):
     fails(["eval", "ppl", "--model", str(files / "no_tokenizer"), "--arms", "full,nope"], capsys,
           "--arms full,nope: arm 'nope'")
+    fails(["eval", "ppl", "--model", str(files / "no_tokenizer"), "--text", str(files / "a_file"),
+           str(files / "nope.txt")], capsys, f"--text {files / 'nope.txt'}: no such file")   # was a traceback
 
 
 def test_train_budget_takes_the_budget_grammar(capsys):

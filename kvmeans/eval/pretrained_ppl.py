@@ -219,6 +219,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "(`kvmeans models fetch smollm2-135m` prints one)")
     if a.out:
         check_out_dir("--out", a.out)
+    for f in a.text or []:
+        if not Path(f).is_file():
+            raise UsageError(f"--text {f}: no such file; give text files")
     saved = _saved_conversion(a.model, kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
