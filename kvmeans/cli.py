@@ -45,6 +45,17 @@ def _load_tokenizer(model_dir: str):
                          "save the tokenizer with the model (kvmeans train writes it into OUT/final)") from None
 
 
+def load_hf_tokenizer(model_dir: str):
+    """``AutoTokenizer.from_pretrained(model_dir)``; a :class:`UsageError` naming ``--model`` when it cannot load."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        why = (str(err).strip().splitlines() or ["no tokenizer"])[0].rstrip(": ")
+        raise UsageError(f"--model {model_dir}: cannot load its tokenizer ({why}); save the tokenizer with the "
+                         "model") from None
+
+
 def add_kvm_argument(parser: argparse.ArgumentParser) -> None:
     """``--kvm SPEC``: convert a plain transformers model on the fly (:func:`kvmeans.convert_hf`)."""
     parser.add_argument("--kvm", default=None, metavar="SPEC",

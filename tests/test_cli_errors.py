@@ -221,3 +221,16 @@ def test_lm_eval_unknown_task(no_weights, capsys):
     pytest.importorskip("accelerate")
     fails(["eval", "lm-eval", "--model", str(no_weights), "--tasks", "no_such_task_xyz"], capsys,
           "--tasks: Tasks not found: no_such_task_xyz")
+
+
+def test_transformers_folder_without_a_tokenizer(files, capsys):
+    """eval ppl and bench pretrained loaded it with AutoTokenizer: a ValueError traceback."""
+    pytest.importorskip("transformers")
+    d = files / "llama"
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(d)
+    capsys.readouterr()
+    fails(["eval", "ppl", "--model", str(d)], capsys, f"--model {d}: cannot load its tokenizer")
+    fails(["bench", "pretrained", "--model", str(d), "--out", str(files / "o"), "--samples-only"], capsys,
+          f"--model {d}: cannot load its tokenizer")

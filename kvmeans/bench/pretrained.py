@@ -499,18 +499,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     _check(p, a)
-    from ..cli import load_model, parse_kvm_arg
+    from ..cli import load_hf_tokenizer, load_model, parse_kvm_arg
     kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ..eval.pretrained_ppl import text_windows
     from .report import env_info, format_env
     hf_logging.disable_progress_bar()
     out = Path(a.out)
-    tok = AutoTokenizer.from_pretrained(a.model)
+    tok = load_hf_tokenizer(a.model)
     try:
         samples = all_samples(tok, a)
     except ValueError as err:

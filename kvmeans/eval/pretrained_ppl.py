@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..cli import add_kvm_argument, parse_kvm_arg
+from ..cli import add_kvm_argument, load_hf_tokenizer, parse_kvm_arg
 from ..utils.cli import UsageError, check_out_dir
 from ..utils.weights import CorruptWeightsError, named_weight_errors
 
@@ -225,12 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     saved = _saved_conversion(a.model, kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from ..bench.report import env_info, format_env, format_table, write_csv, write_json
     hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(a.model)
+    tok = load_hf_tokenizer(a.model)
     try:
         windows = text_windows(tok, a.text or "shakespeare", a.windows, a.length, a.seed)
     except ValueError as err:
