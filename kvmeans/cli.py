@@ -45,14 +45,14 @@ def _load_tokenizer(model_dir: str):
                          "save the tokenizer with the model (kvmeans train writes it into OUT/final)") from None
 
 
-def load_hf_tokenizer(model_dir: str):
-    """``AutoTokenizer.from_pretrained(model_dir)``; a :class:`UsageError` naming ``--model`` when it cannot load."""
+def load_hf_tokenizer(model_dir: str, flag: str = "--model"):
+    """``AutoTokenizer.from_pretrained(model_dir)``; a :class:`UsageError` naming ``flag`` when it cannot load."""
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as err:
         why = (str(err).strip().splitlines() or ["no tokenizer"])[0].rstrip(": ")
-        raise UsageError(f"--model {model_dir}: cannot load its tokenizer ({why}); save the tokenizer with the "
+        raise UsageError(f"{flag} {model_dir}: cannot load its tokenizer ({why}); save the tokenizer with the "
                          "model") from None
 
 

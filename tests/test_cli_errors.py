@@ -224,7 +224,7 @@ def test_lm_eval_unknown_task(no_weights, capsys):
 
 
 def test_transformers_folder_without_a_tokenizer(files, capsys):
-    """eval ppl and bench pretrained loaded it with AutoTokenizer: a ValueError traceback."""
+    """eval ppl, bench pretrained and distill loaded it with AutoTokenizer: a ValueError traceback."""
     pytest.importorskip("transformers")
     d = files / "llama"
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -234,3 +234,5 @@ def test_transformers_folder_without_a_tokenizer(files, capsys):
     fails(["eval", "ppl", "--model", str(d)], capsys, f"--model {d}: cannot load its tokenizer")
     fails(["bench", "pretrained", "--model", str(d), "--out", str(files / "o"), "--samples-only"], capsys,
           f"--model {d}: cannot load its tokenizer")
+    fails(["distill", "--teacher", str(d), "--kvm", "budget=fixed:8", "--out", str(files / "d")], capsys,
+          f"--teacher {d}: cannot load its tokenizer")

@@ -198,7 +198,9 @@ class Distiller:
         settings = student_spec(cfg.kvm)
         cfg.check(KVMSpec(**{k: v for k, v in settings.items() if k != "layers"}), self.rt.world)
         ckpt = self._resume_file(resume)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from ..cli import load_hf_tokenizer
         if not (Path(cfg.teacher) / "config.json").is_file():
             raise ConfigError(f"--teacher {cfg.teacher}: no config.json there; give a transformers model folder "
                               "(e.g. from `kvmeans models fetch smollm2-135m`)")
@@ -206,7 +208,7 @@ class Distiller:
         if teacher_type in (OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE):
             raise ConfigError(f"--teacher {cfg.teacher} is a KVM-native model; distill converts a plain transformers "
                               "model (e.g. from `kvmeans models fetch smollm2-135m`)")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
+        self.tokenizer = load_hf_tokenizer(cfg.teacher, "--teacher")
         source = "shakespeare" if cfg.data == ["shakespeare"] else list(cfg.data)
         try:
             self.sequences, self.heldout = training_sequences(self.tokenizer, source, cfg.seq_len, tuple(cfg.holdout))
