@@ -113,3 +113,7 @@ def test_spec_parses_saves_and_refuses_the_scope(tmp_path):
     loaded = load_converted(tmp_path)
     assert loaded.config.kvm_conversion["exact_scope"] == "layer"
     assert loaded.model.layers[1].self_attn.kvm_spec.exact_scope == "layer"
+    saved = {**model.config.kvm_conversion, "exact_scope": "model"}
+    assert KVMSpec.from_dict({k: v for k, v in saved.items() if k != "layers"}).exact_scope == "model"
+    del saved["exact_scope"]                        # a folder saved before the setting existed ranked per layer
+    assert KVMSpec.from_dict({k: v for k, v in saved.items() if k != "layers"}).exact_scope == "layer"

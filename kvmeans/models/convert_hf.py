@@ -104,6 +104,7 @@ class KVMSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "KVMSpec":
         d = dict(d)
+        d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
         return cls(**d)
