@@ -236,3 +236,12 @@ def test_transformers_folder_without_a_tokenizer(files, capsys):
           f"--model {d}: cannot load its tokenizer")
     fails(["distill", "--teacher", str(d), "--kvm", "budget=fixed:8", "--out", str(files / "d")], capsys,
           f"--teacher {d}: cannot load its tokenizer")
+
+
+def test_lm_eval_model_without_a_tokenizer(files, capsys):
+    """Checked before lm-eval starts (the kvm model's loader raised it inside lm-eval: a traceback)."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    d = files / "no_tokenizer"
+    fails(["eval", "lm-eval", "--model", str(d), "--tasks", "piqa"], capsys,
+          f"--model_args pretrained={d}: ", "no tokenizer", "pass tokenizer=PATH")

@@ -72,7 +72,8 @@ def translate_args(argv: Sequence[str]) -> List[str]:
 
 
 def _check_pretrained(args: Sequence[str]) -> None:
-    """A :class:`UsageError` when the ``kvm`` model's ``pretrained=`` is not a folder (before lm-eval starts)."""
+    """A :class:`UsageError` when the ``kvm`` model's ``pretrained=`` is not a folder, or has no tokenizer and no
+    ``tokenizer=`` is given (before lm-eval starts)."""
     opts = {}
     for i, a in enumerate(args):          # the last value of each --name value / --name=value
         name, eq, val = a.partition("=")
@@ -80,11 +81,18 @@ def _check_pretrained(args: Sequence[str]) -> None:
             opts[name] = val if eq else (args[i + 1] if i + 1 < len(args) else "")
     if opts.get("--model") != MODEL_NAME or opts.get("--model_args", "").lstrip().startswith("{"):
         return
-    for item in opts.get("--model_args", "").split(","):
-        key, _, val = item.partition("=")
-        if key.strip() == "pretrained" and not os.path.isdir(val.strip()):
-            raise UsageError(f"--model_args pretrained={val.strip()}: not a directory; give the folder of a saved "
-                             "KVM model")
+    items = (item.partition("=") for item in opts.get("--model_args", "").split(","))
+    model_args = {k.strip(): v.strip() for k, _, v in items}
+    path = model_args.get("pretrained")
+    if path is not None and not os.path.isdir(path):
+        raise UsageError(f"--model_args pretrained={path}: not a directory; give the folder of a saved KVM model")
+    if path is not None and "tokenizer" not in model_args:
+        from ..train.tokenizers import model_tokenizer
+        try:
+            model_tokenizer(path)
+        except FileNotFoundError as err:
+            why = " ".join(str(err).split())      # transformers' reason spans lines
+            raise UsageError(f"--model_args pretrained={path}: {why}; pass tokenizer=PATH in --model_args") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
