@@ -137,8 +137,21 @@ def test_kvm_arm_checks_exact_rows_against_the_budget_it_sets(model):
     kvm = {"chunk_len": 8, "n_bswa_chunks": 4, "sink_len": 2, "exact_rows": 140}   # > KVMSpec's default budget
     conv = bp.kvm_arm(model, 200, kvm).model.config.kvm_conversion                # 168 rows beside 32 window keys
     assert (conv["budget"]["n"], conv["exact_rows"]) == (168, 140)
-    with pytest.raises(ValueError, match="exact_rows must be in"):
+    with pytest.raises(bp.UsageError, match=r"exact_rows=140 does not fit 100 kept keys .*at most budget - "
+                                            r"chunk_len = 60\); lower exact_rows"):
         bp.kvm_arm(model, 100, kvm)                                                # 68 rows: too few
+    assert bp.kvm_settings(12, {"chunk_len": 8, "n_bswa_chunks": 2, "sink_len": 2})["budget"].n == 8   # no reserve
+
+
+def test_a_reserve_that_a_cell_cannot_hold_is_refused_before_any_arm_runs(model_dir, tmp_path, monkeypatch):
+    """400-token NIAH at 0.75 keeps 100 keys (68 state rows): exact_rows=64 fits 0.5 (200 keys) but not 0.75."""
+    ran = []
+    monkeypatch.setattr(bp, "recall_rows", lambda *a, **k: ran.append(a) or pytest.fail("an arm ran"))
+    argv = ["--model", str(model_dir), "--out", str(tmp_path / "run"), "--benches", "niah", "--niah-samples", "1",
+            "--niah-length", "400", "--no-progress", "--kvm", "chunk_len=8,n_bswa_chunks=4,sink_len=2,exact_rows=64"]
+    with pytest.raises(bp.UsageError, match="exact_rows=64 does not fit"):
+        bp.main(argv)
+    assert not ran and not (tmp_path / "run" / "bench.json").exists()
 
 
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):

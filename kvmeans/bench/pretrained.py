@@ -288,11 +288,11 @@ def streaming_arm(model, keys: int, sinks: int) -> Arm:
     return Arm("streaming", model, keys, sinks, keys - sinks)
 
 
-def kvm_arm(model, keys: int, kvm: dict) -> Arm:
-    """Training-free KVM at ``keys`` kept keys on a converted copy of ``model``: ``kvm`` (``convert_hf``
-    settings) with its window shrunk to at most ``keys // 2`` (fewer chunks, then halved chunks) and the rest
-    of ``keys`` as a fixed state budget."""
-    from ..models.convert_hf import KVMSpec, convert_hf
+def kvm_settings(keys: int, kvm: dict) -> dict:
+    """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys: ``kvm`` with its window shrunk to at most
+    ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed state budget; a
+    :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold ``exact_rows``."""
+    from ..models.convert_hf import KVMSpec
     from ..ops.budget import StateBudget
     # checked against the budget set below, not KVMSpec's default one
     spec = KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
@@ -304,9 +304,19 @@ def kvm_arm(model, keys: int, kvm: dict) -> Arm:
     if keys - n * chunk <= spec.sink_len:
         raise UsageError(f"--kvm: {keys} kept keys leave no state rows beside a {n * chunk}-token window and "
                          f"{spec.sink_len} sinks; use a smaller sink_len or a lower compression ratio")
-    conv = convert_hf(copy.deepcopy(model), **{**kvm, "chunk_len": chunk, "n_bswa_chunks": n,
-                                               "budget": StateBudget.fixed(keys - n * chunk)})
-    return Arm("kvm", conv, keys)
+    settings = {**kvm, "chunk_len": chunk, "n_bswa_chunks": n, "budget": StateBudget.fixed(keys - n * chunk)}
+    most = keys - n * chunk - chunk
+    if kvm.get("exact_rows", 0) and kvm["exact_rows"] > most:
+        raise UsageError(f"--kvm: exact_rows={kvm['exact_rows']} does not fit {keys} kept keys (window {n * chunk}, "
+                         f"state budget {keys - n * chunk}: at most budget - chunk_len = {max(most, 0)}); lower "
+                         "exact_rows, or drop the shorter lengths / higher ratios")
+    return settings
+
+
+def kvm_arm(model, keys: int, kvm: dict) -> Arm:
+    """Training-free KVM at ``keys`` kept keys on a converted copy of ``model`` (:func:`kvm_settings`)."""
+    from ..models.convert_hf import convert_hf
+    return Arm("kvm", convert_hf(copy.deepcopy(model), **kvm_settings(keys, kvm)), keys)
 
 
 def distilled_arm(model, length: int) -> Arm:
@@ -518,6 +528,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {len(samples)} samples to {out / 'samples.jsonl'}", flush=True)
     if a.samples_only:
         return 0
+    if kvm is not None and "kvm" in a.arms:     # every cell's geometry now, not an hour into the run
+        for smp in samples:
+            for r in a.ratios:
+                kvm_settings(int((1 - r) * len(smp["context_ids"])), kvm)
+        if "ppl" in a.benches:
+            kvm_settings(a.ppl_keys, kvm)
     rows: List[Dict[str, Any]] = []
     answers: List[Dict[str, Any]] = []
     for path in a.kvpress_results or []:
