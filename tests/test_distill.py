@@ -2,6 +2,7 @@
 training-free read, is saved and reloaded, stage 1 lowers the alignment loss, stage 2 the KL, a resumed run
 equals an uninterrupted one, the eval windows are held out, and CLI mistakes are one line."""
 import copy
+import math
 import random
 import sys
 
@@ -217,6 +218,20 @@ def test_run_writes_a_converted_model_with_its_learned_parameters(teacher_dir, t
     assert not torch.equal(temps, torch.ones_like(temps))               # trained values, not the init
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss") and len(rows) == 6
+
+
+def test_a_reserve_ranked_across_layers_trains_and_reloads(teacher_dir, tmp_path, monkeypatch):
+    """exact_rows with exact_scope='model' through both stages: the board ranks the student's blocks (stage 1
+    runs each layer alone, stage 2 the whole model) and the result reloads with the reserve."""
+    from kvmeans.ops.pretrained_board import NoveltyBoard
+    calls = []
+    inner = NoveltyBoard.combine
+    monkeypatch.setattr(NoveltyBoard, "combine", lambda self, *a, **k: calls.append(a[0]) or inner(self, *a, **k))
+    kvm = "budget=16,chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=4"
+    summary = distill(config(teacher_dir, tmp_path / "run", kvm=kvm), log_fn=lambda m: None)
+    assert all(math.isfinite(x) for x in summary["losses"]) and set(calls) == {0, 1}
+    conv = load_converted(summary["final"]).config.kvm_conversion
+    assert (conv["exact_rows"], conv["exact_scope"], conv["learned"]) == (4, "model", True)
 
 
 def test_resumed_run_equals_an_uninterrupted_one(teacher_dir, tmp_path):
