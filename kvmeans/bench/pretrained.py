@@ -305,10 +305,10 @@ def kvm_settings(keys: int, kvm: dict) -> dict:
         raise UsageError(f"--kvm: {keys} kept keys leave no state rows beside a {n * chunk}-token window and "
                          f"{spec.sink_len} sinks; use a smaller sink_len or a lower compression ratio")
     settings = {**kvm, "chunk_len": chunk, "n_bswa_chunks": n, "budget": StateBudget.fixed(keys - n * chunk)}
-    most = keys - n * chunk - chunk
-    if kvm.get("exact_rows", 0) and kvm["exact_rows"] > most:
+    most = KVMSpec(**{k: v for k, v in settings.items() if k not in ("layers", "exact_rows")}).max_exact_rows
+    if kvm.get("exact_rows", 0) > most:
         raise UsageError(f"--kvm: exact_rows={kvm['exact_rows']} does not fit {keys} kept keys (window {n * chunk}, "
-                         f"state budget {keys - n * chunk}: at most budget - chunk_len = {max(most, 0)}); lower "
+                         f"state budget {keys - n * chunk}: at most budget - chunk_len = {most}); lower "
                          "exact_rows, or drop the shorter lengths / higher ratios")
     return settings
 
@@ -325,6 +325,12 @@ def distilled_arm(model, length: int) -> Arm:
 
 
 # ---- recall ---------------------------------------------------------------------------------------------------
+def kept_keys(sample: Dict[str, Any], ratio: Optional[float]) -> Optional[int]:
+    """The keys a compressed arm keeps of ``sample``'s context at compression ``ratio`` (kvpress's count;
+    None without a ratio)."""
+    return None if ratio is None else int((1 - ratio) * len(sample["context_ids"]))
+
+
 def recall_rows(name: str, make: Callable[[Optional[int]], Arm], samples: Sequence[Dict[str, Any]], tokenizer,
                 max_new_tokens: int, ratio: Optional[float] = None, progress=None
                 ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
@@ -334,7 +340,7 @@ def recall_rows(name: str, make: Callable[[Optional[int]], Arm], samples: Sequen
     arms: Dict[Optional[int], Arm] = {}
     answers = []
     for s in samples:
-        keys = None if ratio is None else int((1 - ratio) * len(s["context_ids"]))
+        keys = kept_keys(s, ratio)
         if keys not in arms:
             arms[keys] = make(keys)
         arm = arms[keys]
@@ -531,7 +537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kvm is not None and "kvm" in a.arms:     # every cell's geometry now, not an hour into the run
         for smp in samples:
             for r in a.ratios:
-                kvm_settings(int((1 - r) * len(smp["context_ids"])), kvm)
+                kvm_settings(kept_keys(smp, r), kvm)
         if "ppl" in a.benches:
             kvm_settings(a.ppl_keys, kvm)
     rows: List[Dict[str, Any]] = []

@@ -22,9 +22,8 @@ from ..ops.pretrained_board import NoveltyBoard
 from ..utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
-# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
 EXACT_SCOPES = ("model", "layer")
-
+# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
 FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
             "gpt_neox": True, "gpt2": False}
 
@@ -72,9 +71,7 @@ class KVMSpec:
             raise ValueError(f"rope_distance must be >= 0 (or None for three times the window span), got {self.rope_distance}")
         if not 0 <= self.novel_rows <= self.chunk_len:
             raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
-        b = self.budget               # the most rows it ever gives (power_law: no cap)
-        cap = b if isinstance(b, int) else None if getattr(b, "kind", "power_law") == "power_law" else b.n
-        most = None if cap is None else max(0, cap - self.chunk_len)
+        most = self.max_exact_rows
         if self.exact_rows < 0 or (most is not None and self.exact_rows > most):
             raise ValueError(f"exact_rows must be in [0, budget - chunk_len = {most}] (the mean pool keeps the first "
                              f"chunk's rows), got {self.exact_rows}; lower exact_rows or raise budget"
@@ -84,6 +81,13 @@ class KVMSpec:
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
+
+    @property
+    def max_exact_rows(self) -> Optional[int]:
+        """The most ``exact_rows`` the budget admits: its most rows less the first chunk's (None: no cap)."""
+        b = self.budget               # the most rows it ever gives (power_law: no cap)
+        cap = b if isinstance(b, int) else None if getattr(b, "kind", "power_law") == "power_law" else b.n
+        return None if cap is None else max(0, cap - self.chunk_len)
 
     @property
     def state_budget(self):
