@@ -57,7 +57,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
 
 def _layer_novelty(module) -> Optional[Callable]:
     """The reserve's ranking shared across the converted layers (``exact_scope="model"``), or None."""
-    spec, board = module.kvm_spec, getattr(module, "kvm_board", None)
+    spec, board = module.kvm_spec, module.kvm_board
     if not spec.exact_rows or spec.exact_scope != "model" or board is None:
         return None
     return functools.partial(board.combine, module.kvm_layer_pos)
@@ -87,7 +87,7 @@ def _capture(module, args, kwargs):
     cache = cache_from(named, "layer_past")      # GPT-NeoX attention calls it layer_past
     state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
     module._kvm_call = (state, named.get("position_embeddings"), named.get("hidden_states"))
-    if getattr(module, "kvm_layer_pos", None) == 0 and module.kvm_board is not None:
+    if module.kvm_layer_pos == 0 and module.kvm_board is not None:
         module.kvm_board.clear()        # a forward that failed midway leaves nothing for the next
 
 

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` adapter: ``KVMConfig``, ``KVMForCausalLM`` (``generate()``, Auto classes).
 
-Supported transformers: ``>=5.0,<5.25``; tests pass with 5.23.0 and 5.24.0 (torch 2.13 CPU; 5.24 renamed
+Supported transformers: ``>=5.18,<5.25``; tests pass with 5.18.0, 5.23.0 and 5.24.0 (torch 2.13 CPU; 5.24 renamed
 ``past_key_values`` to ``cache``, both are taken: :mod:`~kvmeans.models.hf_compat`). Importing this
 module registers ``model_type "kvmeans"`` and the authors' ``"rwkv7backbone"`` (config mapped by
 :func:`~kvmeans.models.convert.reference_config_to_ours`) with ``AutoConfig`` and ``AutoModelForCausalLM``::

@@ -22,7 +22,6 @@ tensors (shared with the live state until they change) and the q/k/v of ``3 * re
 from __future__ import annotations
 
 import functools
-
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
