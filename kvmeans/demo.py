@@ -13,7 +13,8 @@ at the end, so the memory a model needs grows with the context; ``mqar`` is mult
 * ``bswa``:      block sliding-window attention (a window of a few chunks),
 * ``full``:      full causal attention (a KV cache growing linearly).
 
-Each is then evaluated at ``1x, 2x, 4x, ..., 32x`` the training length (``1x-8x`` with ``--quick``): recall
+Each is then evaluated at ``1x, 2x, 4x, ..., 32x`` the training length (``1x-8x`` with ``--quick`` and for
+``multikey``, whose 50 one-token keys hold at most 32 needles; every length is checked before training): recall
 accuracy, the cache bytes
 after prefilling each length (``ModelCache.nbytes``; KVM state rows too) and decode speed (ms per token
 for a few tokens after the prefill). Prints the recall's mean (min-max) over the seeds and the memory
@@ -60,7 +61,7 @@ LABELS = {"rwkv7": "RWKV-7", "kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "
 
 DEFAULT_TASK = "passkey"
 TASKS = {"passkey": dict(key_len=2, key_targets=True),      # task -> its own settings
-         "multikey": dict(pair_every=32, num_queries=4, key_len=1),
+         "multikey": dict(pair_every=32, num_queries=4, key_len=1, multiples=(1, 2, 4, 8)),   # 50 one-token keys
          "mqar": dict(num_pairs=24, num_queries=8)}
 
 
@@ -79,13 +80,26 @@ def demo_settings(quick: bool = False, task: str = DEFAULT_TASK) -> Dict[str, An
     # train the query's key (5 tokens a sequence): recall 1.00 at 1x in those three runs (train_targets).
     if task not in TASKS:
         raise ValueError(f"task={task!r}: choose one of {', '.join(TASKS)}")
-    s = dict(task=task, **TASKS[task], train_len=128, multiples=(1, 2, 4, 8, 16, 32), vocab_size=64,
+    s = dict(task=task, train_len=128, multiples=(1, 2, 4, 8, 16, 32), vocab_size=64,
              hidden_size=64, num_layers=2, num_heads=2,
              chunk_len=4, window_chunks=2, fixed_rows=16, sqrt_factor=2.0, steps=800, batch=16, lr=3e-3,
              warmup=50, eval_samples=64, decode_tokens=8, seeds=(0, 1, 2))
+    s.update(TASKS[task])
     if quick:
         s.update(steps=200, eval_samples=32, decode_tokens=4, seeds=(0,), multiples=(1, 2, 4, 8))
     return s
+
+
+def check_lengths(s: Dict[str, Any]) -> List[int]:
+    """The evaluation lengths ``train_len * multiples``, each checked to make a batch of the task (before training)."""
+    lengths = [s["train_len"] * m for m in s["multiples"]]
+    for t in lengths:
+        try:
+            make_batch(s, 1, t, seed=0)
+        except ValueError as e:
+            raise ValueError(f"task={s['task']!r} cannot be evaluated at {t} tokens "
+                             f"({t // s['train_len']}x train_len={s['train_len']}): {e}") from None
+    return lengths
 
 
 def make_batch(s: Dict[str, Any], batch: int, seq_len: int, seed: int):
@@ -383,9 +397,9 @@ def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Opti
         raise ValueError(f"workers={workers}: use workers >= 1, and workers=1 with device={device!r}")
     if out_dir is None:
         out_dir = Path("results") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    lengths = check_lengths(s)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lengths = [s["train_len"] * m for m in s["multiples"]]
     results: Dict[str, Any] = dict(settings={k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()},
                                    quick=quick, device=device, seeds=list(s["seeds"]), workers=workers,
                                    lengths=lengths, models={})

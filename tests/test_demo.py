@@ -215,3 +215,24 @@ def test_task_choice_and_unknown_task_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         demo.main(["--task", "niah"])
     assert "invalid choice: 'niah'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("task", sorted(demo.TASKS))
+def test_every_task_makes_batches_at_every_evaluation_length(task, quick):
+    # multikey at 16x (64 needles) had only 50 one-token keys: a full run trained every model, then crashed
+    s = demo.demo_settings(quick=quick, task=task)
+    lengths = demo.check_lengths(s)
+    assert lengths == [s["train_len"] * m for m in s["multiples"]] and lengths[0] == s["train_len"]
+    for t in lengths:
+        x, y = demo.make_batch(s, 2, t, seed=1)
+        assert x.shape == y.shape == (2, t) and (y != -100).any()
+
+
+def test_a_length_the_task_cannot_make_is_refused_before_training(tmp_path, monkeypatch):
+    s = {**demo.demo_settings(task="multikey"), "multiples": (1, 16)}
+    monkeypatch.setattr(demo, "run_all", lambda *a, **k: pytest.fail("trained before checking the lengths"))
+    with pytest.raises(ValueError, match=r"task='multikey' cannot be evaluated at 2048 tokens \(16x train_len=128\)"
+                                         r": 50\*\*key_len=1 distinct keys < 64 needles"):
+        demo.run_demo(tmp_path / "out", settings=s)
+    assert not (tmp_path / "out").exists()

@@ -61,10 +61,10 @@ def test_mqar_layout(T, P, V, Q):
         assert mask.sum() == Q and mask[q0::2].all()
 
 
-def test_mqar_budget_asserts():
-    with pytest.raises(AssertionError):
+def test_mqar_budget_errors():
+    with pytest.raises(ValueError, match="seq_len=16 < 2"):
         mqar_batch(1, 16, 4, 20, seed=0)                # 2*4 + 1 + 2*4 = 17 > 16
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="has 8 keys < num_pairs=9"):
         mqar_batch(1, 64, 9, 20, seed=0)                # only 8 keys
 
 
@@ -101,9 +101,9 @@ def test_passkey_random_depth_and_budget():
     x, y, d = passkey_batch(16, 60, seed=5)
     assert ((d >= 0) & (d <= 1)).all() and d.unique().numel() > 1
     assert x.shape == (16, 60)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="seq_len=13 < 2 \\* needle length 7"):
         passkey_batch(1, 13, seed=0)                   # needle 7 tokens, twice = 14 > 13
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="depth=1.5"):
         passkey_batch(1, 30, seed=0, depth=1.5)
 
 
@@ -152,17 +152,17 @@ def test_multikey_layout_answers_are_the_queried_values(T, every, Q, K, D, V):
     assert P == 1 or len(queried) > 1, "the queried needle varies"
 
 
-def test_multikey_oracle_and_budget_asserts():
+def test_multikey_oracle_and_budget_errors():
     x, y = multikey_batch(8, 256, seed=2, pair_every=16, num_queries=3, vocab_size=64, key_len=2)
     assert recall_accuracy(MultikeyOracle(64, passkey_needle_len(2, 3), 3), x, y) == 1.0
     assert recall_accuracy(RandomModel(64), x, y) < 0.1
-    with pytest.raises(AssertionError, match="raise pair_every"):
+    with pytest.raises(ValueError, match="raise pair_every"):
         multikey_batch(1, 23, seed=0, pair_every=7)                 # 3 needles + query of 6 tokens > 23
-    with pytest.raises(AssertionError, match="distinct keys"):
+    with pytest.raises(ValueError, match="distinct keys"):
         multikey_batch(1, 1024, seed=0, pair_every=16)              # 64 needles, 50 one-token keys
-    with pytest.raises(AssertionError, match="no needle"):
+    with pytest.raises(ValueError, match="no needle"):
         multikey_batch(1, 24, seed=0, pair_every=32)
-    with pytest.raises(AssertionError, match="num_queries=3"):
+    with pytest.raises(ValueError, match="num_queries=3"):
         multikey_batch(1, 64, seed=0, pair_every=32, num_queries=3)   # 2 needles
 
 

@@ -47,10 +47,15 @@ def mqar_batch(batch: int, seq_len: int, num_pairs: int, vocab_size: int, seed: 
     """
     q = num_pairs if num_queries is None else num_queries
     n = (vocab_size - NUM_SPECIAL) // 2
-    assert num_pairs >= 1 and q >= 1, "need at least one pair and one query"
-    assert n >= num_pairs, f"vocab_size={vocab_size} has {n} keys < num_pairs={num_pairs}"
+    if num_pairs < 1 or q < 1:
+        raise ValueError(f"num_pairs={num_pairs}, num_queries={q}: need at least one pair and one query")
+    if n < num_pairs:
+        raise ValueError(f"vocab_size={vocab_size} has {n} keys < num_pairs={num_pairs}: raise vocab_size "
+                         f"to at least {2 * num_pairs + NUM_SPECIAL} or lower num_pairs")
     filler = seq_len - 2 * num_pairs - 1 - 2 * q
-    assert filler >= 0, f"seq_len={seq_len} < 2*{num_pairs} + 1 + 2*{q}"
+    if filler < 0:
+        raise ValueError(f"seq_len={seq_len} < 2*{num_pairs} + 1 + 2*{q} tokens of pairs, separator and queries: "
+                         "raise seq_len or lower num_pairs / num_queries")
     g = _gen(seed)
     rows = torch.arange(batch).unsqueeze(1)
     keys = torch.rand(batch, n, generator=g).argsort(dim=1)[:, :num_pairs] + NUM_SPECIAL       # [B, P]
@@ -98,16 +103,20 @@ def passkey_batch(batch: int, seq_len: int, seed: int, depth: Union[None, float,
     """
     n = passkey_needle_len(key_len, answer_len)
     lo = NUM_SPECIAL + NUM_DIGITS
-    assert vocab_size > lo, f"vocab_size={vocab_size} must exceed {lo} (specials + digits)"
-    assert key_len >= 1 and answer_len >= 1
+    if vocab_size <= lo:
+        raise ValueError(f"vocab_size={vocab_size} must exceed {lo} (specials + digits)")
+    if key_len < 1 or answer_len < 1:
+        raise ValueError(f"key_len={key_len}, answer_len={answer_len}: both must be >= 1")
     filler = seq_len - 2 * n
-    assert filler >= 0, f"seq_len={seq_len} < 2 * needle length {n}"
+    if filler < 0:
+        raise ValueError(f"seq_len={seq_len} < 2 * needle length {n} (the needle and its query): raise seq_len")
     g = _gen(seed)
     if depth is None:
         depths = torch.rand(batch, generator=g, dtype=torch.float64)
     else:
         depths = torch.as_tensor(depth, dtype=torch.float64).expand(batch).clone()
-    assert bool(((depths >= 0) & (depths <= 1)).all()), "depth must lie in [0, 1]"
+    if not bool(((depths >= 0) & (depths <= 1)).all()):
+        raise ValueError(f"depth={depth!r}: every depth must lie in [0, 1]")
     keys = torch.randint(lo, vocab_size, (batch, key_len), generator=g)
     digits = torch.randint(NUM_SPECIAL, lo, (batch, answer_len), generator=g)
     fill = torch.randint(lo, vocab_size, (batch, filler), generator=g)
@@ -142,12 +151,21 @@ def multikey_batch(batch: int, seq_len: int, seed: int, pair_every: int = 32, nu
     lo = NUM_SPECIAL + NUM_DIGITS
     words = vocab_size - lo
     pairs = seq_len // pair_every
-    assert words > 0 and key_len >= 1 and answer_len >= 1, f"vocab_size={vocab_size} must exceed {lo}"
-    assert pairs >= 1, f"seq_len={seq_len} < pair_every={pair_every}: no needle"
-    assert 1 <= num_queries <= pairs, f"num_queries={num_queries} must be in [1, {pairs} needles]"
-    assert words ** key_len >= pairs, f"{words}**key_len={key_len} distinct keys < {pairs} needles"
+    if words <= 0:
+        raise ValueError(f"vocab_size={vocab_size} must exceed {lo} (specials + digits)")
+    if key_len < 1 or answer_len < 1:
+        raise ValueError(f"key_len={key_len}, answer_len={answer_len}: both must be >= 1")
+    if pairs < 1:
+        raise ValueError(f"seq_len={seq_len} < pair_every={pair_every}: no needle; lower pair_every")
+    if not 1 <= num_queries <= pairs:
+        raise ValueError(f"num_queries={num_queries} must be in [1, {pairs} needles]")
+    if words ** key_len < pairs:
+        raise ValueError(f"{words}**key_len={key_len} distinct keys < {pairs} needles at seq_len={seq_len}: "
+                         f"raise vocab_size or key_len, or pair_every")
     filler = seq_len - (pairs + num_queries) * n
-    assert filler >= 0, f"seq_len={seq_len} < {pairs} needles + {num_queries} queries of {n} tokens; raise pair_every"
+    if filler < 0:
+        raise ValueError(f"seq_len={seq_len} < {pairs} needles + {num_queries} queries of {n} tokens; "
+                         "raise pair_every")
     g = _gen(seed)
     code = torch.rand(batch, words ** key_len, generator=g).argsort(dim=1)[:, :pairs]          # [B, P] distinct
     keys = torch.stack([code // words ** i % words for i in range(key_len)], dim=2) + lo       # [B, P, K]
