@@ -25,6 +25,7 @@ from kvmeans.demo import LABELS, demo_settings, make_batch, measure, train_model
 from kvmeans.models import KVMLanguageModel, KVMModelConfig
 from kvmeans.models.config import with_budget
 from kvmeans.ops.budget import StateBudget
+from kvmeans.utils.io import atomic_write, atomic_write_text
 
 MODELS = ("kvm-fixed", "kvm-sqrt")
 ROW_SAMPLES = 16        # evaluation samples whose state rows are counted
@@ -52,8 +53,9 @@ def run(kind: str, seed: int, s: Dict[str, Any], budgets: Dict[str, Any], out: s
         model.load_state_dict(torch.load(saved))
     else:
         model = train_model(kind, s, seed, "cpu")["model"]
-        torch.save(model.state_dict(), saved)
-        saved.with_suffix(".json").write_text(json.dumps(dict(config=model.config.to_dict(), settings=trained_with)))
+        atomic_write(saved, lambda tmp: torch.save(model.state_dict(), tmp))
+        atomic_write_text(saved.with_suffix(".json"), json.dumps(dict(config=model.config.to_dict(),
+                                                                      settings=trained_with)))
     rows = []
     for name, budget in {"own": None, **budgets}.items():
         evaluated = model
@@ -111,8 +113,8 @@ def main() -> None:
     print(text)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()}
     path = Path(a.out) / "growth_ablation.json"
-    path.write_text(json.dumps(dict(settings=settings, budgets={k: repr(v) for k, v in budgets.items()}, rows=rows,
-                                    table=text), indent=1))
+    atomic_write_text(path, json.dumps(dict(settings=settings, budgets={k: repr(v) for k, v in budgets.items()},
+                                            rows=rows, table=text), indent=1))
     print(f"wrote {path} ({time.perf_counter() - t0:.0f} s wall)")
 
 

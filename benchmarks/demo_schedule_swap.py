@@ -25,6 +25,7 @@ from kvmeans.demo import LABELS, demo_settings, measure, train_model
 from kvmeans.models import KVMLanguageModel
 from kvmeans.models.config import with_budget
 from kvmeans.ops.budget import StateBudget
+from kvmeans.utils.io import atomic_write_text
 
 SCHEDULES = {"fixed-16": StateBudget.fixed(16), "2*sqrt(N)": StateBudget.power_law(2.0, 0.5, min_len=16),
              "saturating-64": StateBudget.saturating(64, min_len=16)}
@@ -83,9 +84,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in s.items()}
-    (out / "schedule_swap.json").write_text(json.dumps(dict(settings=settings, schedules={k: repr(v) for k, v in
-                                                                                             SCHEDULES.items()},
-                                                            rows=rows, table=text), indent=1))
+    atomic_write_text(out / "schedule_swap.json", json.dumps(dict(settings=settings, schedules={
+        k: repr(v) for k, v in SCHEDULES.items()}, rows=rows, table=text), indent=1))
     print(f"wrote {out / 'schedule_swap.json'} ({time.perf_counter() - t0:.0f} s wall)")
 
 

@@ -181,3 +181,23 @@ def test_auto_class_override_is_normalised_and_saves(tmp_path, budget):
     assert model.config.budget == {"kind": "power_law", "factor": 4.0, "min_len": 8}
     model.save_pretrained(tmp_path / "again")
     assert KVMForCausalLM.from_pretrained(tmp_path / "again").config.budget == model.config.budget
+
+
+def test_demo_growth_ablation_script_keeps_and_reuses_its_weights(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from kvmeans.demo import demo_settings
+    from kvmeans.ops.budget import StateBudget
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "demo_growth_ablation.py"
+    spec = importlib.util.spec_from_file_location("demo_growth_ablation", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    s = {**demo_settings(), "steps": 1, "batch": 2, "eval_samples": 1, "multiples": (1,), "decode_tokens": 1}
+    budgets = {"novelty(0.3, cap 32)": StateBudget.novelty(0.3, 32)}
+    first = ab.run("kvm-fixed", 0, s, budgets, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvm-fixed-seed0.json", "kvm-fixed-seed0.pt"]  # no temps
+    monkeypatch.setattr(ab, "train_model", lambda *a, **k: pytest.fail("retrained weights it had kept"))
+    again = ab.run("kvm-fixed", 0, s, budgets, str(tmp_path))
+    assert again == first and [r["budget"] for r in first] == ["own", "novelty(0.3, cap 32)"]
+    assert first[0]["rows"] == {"mean": 16.0, "min": 16, "max": 16} and first[1]["rows"]["max"] <= 32
