@@ -63,7 +63,9 @@ def run(model_dir: str, specs: Dict[str, Optional[str]], tasks: Sequence[str], l
         samples: int, batch_size: int = 8, seed: int = 42, device: str = "cpu", max_new_tokens: Optional[int] = None,
         progress: bool = True) -> Dict[str, Any]:
     """Every arm on the same RULER samples; ``{"config", "arms": {label: {"spec", "scores", "cache_bytes",
-    "samples", "elapsed_s"}}}``."""
+    "averages", "samples", "elapsed_s"}}}``; a :class:`UsageError` for a spec that cannot apply, before any arm
+    runs."""
+    kvm = {label: parse_kvm_arg(spec) for label, spec in specs.items()}    # every spec checked before any arm runs
     tok = _load_tokenizer(model_dir)
     out: Dict[str, Any] = {"config": dict(model=str(Path(model_dir).resolve()), tasks=list(tasks),
                                           lengths=[int(n) for n in lengths], samples=samples, seed=seed,
@@ -72,21 +74,22 @@ def run(model_dir: str, specs: Dict[str, Optional[str]], tasks: Sequence[str], l
                            "arms": {}}
     for label, spec in specs.items():
         t0 = time.perf_counter()
-        model = load_model(model_dir, torch.float32, device, parse_kvm_arg(spec))
+        model = load_model(model_dir, torch.float32, device, kvm[label])
         res = run_ruler(model, tok, tasks, lengths, samples, batch_size, seed, max_new_tokens=max_new_tokens,
                         progress=progress)
         vocab = model.config.vocab_size
         nbytes = {int(n): cache_bytes(model, int(n), vocab) for n in lengths}
         out["arms"][label] = dict(spec=spec, kvm_conversion=getattr(model.config, "kvm_conversion", None),
-                                  scores=res["scores"], cache_bytes=nbytes, samples=res["samples"],
+                                  scores=res["scores"], averages=res["averages"], cache_bytes=nbytes,
+                                  samples=res["samples"],
                                   haystack=res["haystack"], elapsed_s=round(time.perf_counter() - t0, 1))
         del model
     return out
 
 
 def mean_score(arm: Dict[str, Any], length: int) -> float:
-    cells = [s["score"] for s in arm["scores"] if s["length"] == length]
-    return sum(cells) / len(cells)
+    """The arm's mean over the tasks at ``length`` (``run_ruler``'s RULER average)."""
+    return next(a["score"] for a in arm["averages"] if a["length"] == length)
 
 
 def format_table(results: Dict[str, Any]) -> str:
@@ -169,8 +172,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", default="pretrained-schedules", help="output folder")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    if "budget" in a.kvm:
-        p.error(f"--kvm {a.kvm!r}: leave the budget out; the arms set it (--fixed, --sqrt-factor)")
+    try:
+        if a.kvm and "budget" in parse_kvm_arg(a.kvm):
+            p.error(f"--kvm {a.kvm!r}: leave the budget out; the arms set it (--fixed, --sqrt-factor)")
+    except UsageError as err:
+        p.error(str(err))
     if a.fixed < 1 or a.samples < 1 or (a.sqrt_factor is not None and a.sqrt_factor <= 0):
         p.error("--fixed, --samples and --sqrt-factor must be positive")
     if a.threads:

@@ -59,10 +59,20 @@ def test_arms_share_the_samples_and_the_memory_shows_the_trade_off(llama_dir, tm
     assert res["table"] in printed
 
 
-def test_a_budget_in_kvm_is_refused(llama_dir, tmp_path, capsys):
+def test_a_budget_in_kvm_or_a_spec_that_cannot_apply_is_refused_before_any_arm(llama_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    monkeypatch.setattr(bench, "run_ruler", lambda *a, **k: pytest.fail("an arm ran before every spec was checked"))
     with pytest.raises(SystemExit):
         bench.main(["--model", str(llama_dir), "--kvm", "budget=fixed:64", "--out", str(tmp_path)])
     assert "leave the budget out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--model", str(llama_dir), "--kvm", "no_such_setting=1", "--out", str(tmp_path)])
+    assert "--kvm no_such_setting=1" in capsys.readouterr().err
+    # the fixed arm's 32 rows cannot hold 32 exact rows beside a chunk of 32: refused before the full arm runs
+    assert bench.main(["--model", str(llama_dir), "--fixed", "32", "--kvm", KVM + ",exact_rows=32", "--out",
+                       str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "exact_rows must be in [0, budget - chunk_len = 0]" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     assert bench.main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), "--arms", "fixed",
                        "--no-progress"]) == 2
     assert "--model" in capsys.readouterr().err and not (tmp_path / "o").exists()

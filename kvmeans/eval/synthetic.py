@@ -81,6 +81,15 @@ def passkey_needle_len(key_len: int = 2, answer_len: int = 3) -> int:
     return 2 + key_len + answer_len
 
 
+def _check_needle(vocab_size: int, key_len: int, answer_len: int) -> None:
+    """The needle arguments of :func:`passkey_batch` and :func:`multikey_batch`; a ValueError naming the bad one."""
+    lo = NUM_SPECIAL + NUM_DIGITS
+    if vocab_size <= lo:
+        raise ValueError(f"vocab_size={vocab_size} must exceed {lo} (specials + digits)")
+    if key_len < 1 or answer_len < 1:
+        raise ValueError(f"key_len={key_len}, answer_len={answer_len}: both must be >= 1")
+
+
 def passkey_batch(batch: int, seq_len: int, seed: int, depth: Union[None, float, Sequence[float], Tensor] = None,
                   vocab_size: int = 64, key_len: int = 2, answer_len: int = 3) -> Tuple[Tensor, Tensor, Tensor]:
     """Passkey retrieval: one needle hidden at a relative depth in random filler, queried at the end.
@@ -103,10 +112,7 @@ def passkey_batch(batch: int, seq_len: int, seed: int, depth: Union[None, float,
     """
     n = passkey_needle_len(key_len, answer_len)
     lo = NUM_SPECIAL + NUM_DIGITS
-    if vocab_size <= lo:
-        raise ValueError(f"vocab_size={vocab_size} must exceed {lo} (specials + digits)")
-    if key_len < 1 or answer_len < 1:
-        raise ValueError(f"key_len={key_len}, answer_len={answer_len}: both must be >= 1")
+    _check_needle(vocab_size, key_len, answer_len)
     filler = seq_len - 2 * n
     if filler < 0:
         raise ValueError(f"seq_len={seq_len} < 2 * needle length {n} (the needle and its query): raise seq_len")
@@ -151,10 +157,7 @@ def multikey_batch(batch: int, seq_len: int, seed: int, pair_every: int = 32, nu
     lo = NUM_SPECIAL + NUM_DIGITS
     words = vocab_size - lo
     pairs = seq_len // pair_every
-    if words <= 0:
-        raise ValueError(f"vocab_size={vocab_size} must exceed {lo} (specials + digits)")
-    if key_len < 1 or answer_len < 1:
-        raise ValueError(f"key_len={key_len}, answer_len={answer_len}: both must be >= 1")
+    _check_needle(vocab_size, key_len, answer_len)
     if pairs < 1:
         raise ValueError(f"seq_len={seq_len} < pair_every={pair_every}: no needle; lower pair_every")
     if not 1 <= num_queries <= pairs:
