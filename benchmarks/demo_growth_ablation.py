@@ -2,8 +2,9 @@
 
 Trains the demo's ``kvm-fixed`` (16 rows) and ``kvm-sqrt`` (2*sqrt(N) rows, at least 16) models exactly as
 ``kvmeans demo`` does (:func:`kvmeans.demo.train_model`; the weights are kept in ``--out`` and reused by a later
-run with the same demo settings), then evaluates each with its own schedule and with ``StateBudget.novelty(threshold, cap)`` at every
-threshold (:func:`kvmeans.models.config.with_budget`, what ``--budget novelty:T:CAP`` applies): recall at
+run with the same demo settings), then evaluates each with its own schedule and with
+``StateBudget.novelty(threshold, cap)`` at every threshold (:func:`kvmeans.models.config.with_budget`, what
+``--budget novelty:T:CAP`` applies): recall at
 1x-8x the training length and the state rows per (sequence, kv head) after prefilling the evaluation samples
 (mean, min-max over samples, layers and heads). Prints one table and writes ``growth_ablation.json``::
 
@@ -78,14 +79,16 @@ def table(rows: List[Dict[str, Any]], names: List[str], lengths: List[int]) -> s
         lines.append(f"seed {seed}")
         for kind in MODELS:
             for name in names:
-                cells = [next(r for r in rows if (r["model"], r["seed"], r["budget"], r["length"]) == (kind, seed, name, t))
+                cells = [next(r for r in rows
+                              if (r["model"], r["seed"], r["budget"], r["length"]) == (kind, seed, name, t))
                          for t in lengths]
                 rec = "".join(f"{c['recall']:>12.2f}" for c in cells)
-                st = "".join(f"{c['rows']['mean']:.1f} ({c['rows']['min']}-{c['rows']['max']})".rjust(15) for c in cells)
+                st = "".join(f"{c['rows']['mean']:.1f} ({c['rows']['min']}-{c['rows']['max']})".rjust(15)
+                             for c in cells)
                 label = "own schedule" if name == "own" else name
                 lines.append(f"{LABELS[kind]:<11}{label:<22}{rec}{st}")
-    lines.append(f"(recall per answer digit, teacher-forced; rows in use: mean (min-max) over {ROW_SAMPLES} samples x KVM "
-                 "layers x kv heads after prefilling each length)")
+    lines.append(f"(recall per answer digit, teacher-forced; rows in use: mean (min-max) over {ROW_SAMPLES} "
+                 "samples x KVM layers x kv heads after prefilling each length)")
     return "\n".join(lines)
 
 

@@ -4,7 +4,7 @@ state growing like sqrt(N), one set of weights converted training-free (``kvmean
 Every arm loads the same transformers model; the KVM arms differ only in their state budget: ``fixed:F`` rows
 against ``power_law:A:0.5`` (``A * sqrt(N)`` rows after ``N`` tokens; the default ``A = F / 32`` gives the
 two states the same rows at 1024 tokens, so the sqrt state has 2x the fixed rows at 4096 and 2.8x at 8192).
-For each arm: RULER recall (``kvmeans.eval.ruler_cli.run_ruler``: RULER's data generated offline with the
+For each arm: RULER recall (``kvmeans.eval.ruler_suite.run_ruler``: RULER's data generated offline with the
 model's tokenizer, greedy, string_match_all x100) per task and length, their mean per length, and the cache
 bytes after prefilling one prompt of each length (full attention: its KV cache; KVM: the states, windows and
 sinks). Prints one table and writes ``schedules.json``, ``schedules.csv`` and, with matplotlib, ``schedules.png``::
@@ -26,9 +26,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from kvmeans.cli import UsageError, _load_tokenizer, load_model, parse_kvm_arg
 from kvmeans.eval import ruler_tasks as rt
-from kvmeans.eval.ruler_cli import run_ruler
+from kvmeans.eval.ruler_suite import run_ruler
+from kvmeans.models.load import load_model, load_model_tokenizer
+from kvmeans.utils.args import UsageError, parse_kvm_arg
 from kvmeans.utils.io import atomic_write, atomic_write_text
 
 ARMS = ("full", "fixed", "sqrt")
@@ -51,7 +52,7 @@ def cache_bytes(model, length: int, vocab_size: int, seed: int = 0) -> int:
     from transformers import DynamicCache
 
     from kvmeans.models.hf_compat import cache_kwargs
-    from kvmeans.models.hf_kvm_cache import cache_nbytes
+    from kvmeans.pretrained.cache import cache_nbytes
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (1, length), generator=g).to(next(model.parameters()).device)
     cache = DynamicCache()
@@ -66,7 +67,7 @@ def run(model_dir: str, specs: Dict[str, Optional[str]], tasks: Sequence[str], l
     "averages", "samples", "elapsed_s"}}}``; a :class:`UsageError` for a spec that cannot apply, before any arm
     runs."""
     kvm = {label: parse_kvm_arg(spec) for label, spec in specs.items()}    # every spec checked before any arm runs
-    tok = _load_tokenizer(model_dir)
+    tok = load_model_tokenizer(model_dir)
     out: Dict[str, Any] = {"config": dict(model=str(Path(model_dir).resolve()), tasks=list(tasks),
                                           lengths=[int(n) for n in lengths], samples=samples, seed=seed,
                                           device=device, dtype="float32", max_new_tokens=max_new_tokens,

@@ -1,5 +1,5 @@
 """kvmeans: Key-Value Means attention for PyTorch."""
-from .ops import KVMState, StateBudget, kvm_attention
+from kvmeans.ops import KVMState, StateBudget, kvm_attention
 
 __version__ = "0.1.0"
 __all__ = ["kvm_attention", "StateBudget", "KVMState", "KVMAttention", "KVMAttentionConfig", "KVMForCausalLM",
@@ -7,8 +7,8 @@ __all__ = ["kvm_attention", "StateBudget", "KVMState", "KVMAttention", "KVMAtten
 
 _LAZY = {"KVMAttention": "kvmeans.layers", "KVMAttentionConfig": "kvmeans.layers",
          "KVMForCausalLM": "kvmeans.models.hf", "KVMConfig": "kvmeans.models.hf",
-         "convert_hf": "kvmeans.models.convert_hf", "load_converted": "kvmeans.models.convert_hf",
-         "parse_kvm_spec": "kvmeans.models.convert_hf"}
+         "convert_hf": "kvmeans.pretrained.convert", "load_converted": "kvmeans.pretrained.convert",
+         "parse_kvm_spec": "kvmeans.pretrained.convert"}
 
 
 def __getattr__(name):

@@ -28,11 +28,10 @@ it is a terminal; otherwise one line per finished run.
 
 Usage::
 
-    python -m kvmeans.demo [--quick] [--seeds 0 1 2] [--workers N] [--device cpu|cuda] [--out DIR]
+    kvmeans demo [--quick] [--seeds 0 1 2] [--workers N] [--device cpu|cuda] [--out DIR]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import multiprocessing
@@ -48,12 +47,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .eval.synthetic import mqar_batch, multikey_batch, passkey_batch, passkey_needle_len, recall_accuracy
-from .models import KVMLanguageModel, KVMModelConfig
-from .utils.cli import check_device, check_out_dir, run_main
-from .utils.io import atomic_write
+from kvmeans.eval.synthetic import mqar_batch, multikey_batch, passkey_batch, passkey_needle_len, recall_accuracy
+from kvmeans.models import KVMLanguageModel, KVMModelConfig
+from kvmeans.utils.io import atomic_write
 
-__all__ = ["run_demo", "main", "MODELS", "TASKS", "demo_settings"]
+__all__ = ["run_demo", "MODELS", "TASKS", "demo_settings"]
 
 MODELS = ("rwkv7", "kvm-fixed", "kvm-sqrt", "bswa", "full")
 LABELS = {"rwkv7": "RWKV-7", "kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "full": "full attention"}
@@ -431,29 +429,3 @@ def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Opti
     results["files"] = dict(results=str(json_path), plot=png)
     print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
     return results
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmeans demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one seed, fewer steps (1-2 minutes on a 2-core CPU)")
-    p.add_argument("--task", default=DEFAULT_TASK, choices=tuple(TASKS),
-                   help=f"recall task (default {DEFAULT_TASK}; multikey: needles with distractors, more with the length)")
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2; --quick: 0)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="processes of one torch thread each (default: one per CPU core; 1 with --device cuda)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--out", default=None, help="output folder (default results/demo-<timestamp>)")
-    args = p.parse_args(argv)
-    if args.workers is not None and (args.workers < 1 or (args.workers > 1 and args.device != "cpu")):
-        p.error(f"--workers {args.workers}: use --workers >= 1, and --workers 1 with --device {args.device}")
-    check_device("--device", args.device)
-    if args.out is not None:
-        check_out_dir("--out", args.out)
-    t0 = time.perf_counter()
-    run_demo(args.out, quick=args.quick, device=args.device, seeds=args.seeds, workers=args.workers, task=args.task)
-    print(f"total wall time {time.perf_counter() - t0:.1f}s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(run_main("python -m kvmeans.demo", main, None))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvmeans import demo
+from kvmeans.cli import demo as demo_cli
 from kvmeans.eval.synthetic import KEY, VAL, multikey_batch, passkey_needle_len
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ def per_seed(results):
 
 def test_demo_quick_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert demo.main(["--quick", "--out", str(out)]) == 0
+    assert demo_cli.main(["--quick", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
 
     assert (out / "results.json").is_file()
@@ -143,7 +144,7 @@ def test_progress_bar_per_model_on_a_terminal(tmp_path, monkeypatch):
 
 def test_bad_workers_and_seeds_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        demo.main(["--workers", "0", "--out", str(tmp_path)])
+        demo_cli.main(["--workers", "0", "--out", str(tmp_path)])
     assert "--workers 0: use --workers >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="seeds is empty"):
         demo.run_demo(tmp_path, settings=tiny_settings(seeds=()))
@@ -157,7 +158,8 @@ def test_recall_table_gives_mean_and_range_over_seeds_or_the_one_seed():
         return dict(model="bswa", seed=seed, config={}, params=1, train_s=1.0, final_loss=1.0, evals=[ev])
 
     for runs, cell, note in [([run(0, 0.5)], " 0.50 ", "(recall: seed 0;"),
-                             ([run(0, 0.2), run(1, 0.8)], " 0.50 (0.20-0.80) ", "(recall: mean (min-max) over seeds 0, 1;")]:
+                             ([run(0, 0.2), run(1, 0.8)], " 0.50 (0.20-0.80) ",
+                              "(recall: mean (min-max) over seeds 0, 1;")]:
         res = dict(lengths=[128], seeds=[r["seed"] for r in runs], models=demo.summarize(runs, ["bswa"], [128]))
         table = demo.format_table(res)
         assert cell in table and note in table
@@ -210,10 +212,10 @@ def test_task_choice_and_unknown_task_refused(tmp_path, monkeypatch, capsys):
 
     seen = {}
     monkeypatch.setattr(demo, "run_demo", lambda out, **kw: seen.update(kw))
-    assert demo.main(["--task", "multikey", "--out", str(tmp_path)]) == 0 and seen["task"] == "multikey"
-    assert demo.main(["--out", str(tmp_path)]) == 0 and seen["task"] == "passkey"
+    assert demo_cli.main(["--task", "multikey", "--out", str(tmp_path)]) == 0 and seen["task"] == "multikey"
+    assert demo_cli.main(["--out", str(tmp_path)]) == 0 and seen["task"] == "passkey"
     with pytest.raises(SystemExit):
-        demo.main(["--task", "niah"])
+        demo_cli.main(["--task", "niah"])
     assert "invalid choice: 'niah'" in capsys.readouterr().err
 
 

@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     import importlib.metadata as md
     settings = {**vars(a), "versions": {n: md.version(n) for n in ("kvpress", "torch", "transformers")},
                 "tokenizer_mismatches": mismatched, "loadavg": open("/proc/loadavg").read().strip()}
-    print(f"kvpress {settings['versions']['kvpress']}, transformers {transformers.__version__}: {len(samples)} samples; "
+    print(f"kvpress {settings['versions']['kvpress']}, transformers {transformers.__version__}: "
+          f"{len(samples)} samples; "
           f"this tokenizer re-encodes {len(samples) - len(mismatched)}/{len(samples)} texts to the same ids",
           flush=True)
     groups = {}

@@ -1,1 +1,1 @@
-"""Benchmarks for kvmeans: operator timings (``python -m kvmeans.bench.ops``) and their reports."""
+"""Benchmarks for kvmeans: operator timings (``kvmeans bench ops``) and their reports."""

@@ -1,6 +1,6 @@
 """Ragged-batch benchmark: greedy ``generate`` of left-padded prompts of distinct lengths vs equal lengths.
 
-``python -m kvmeans.bench.ragged [--lengths 40 49 ... 103] [--new-tokens 48] [--repeats 3]`` (``--help``).
+``kvmeans bench ragged [--lengths 40 49 ... 103] [--new-tokens 48] [--repeats 3]`` (``--help``).
 The model is ``--preset`` (default ``tiny-cpu``: 4 layers, width 128) with random weights (each block's
 output projection drawn, so no block is the identity). One repeat times, in turn, ``generate`` on the
 ragged batch (``--lengths``, left-padded) and on as many prompts of their mean length, each for
@@ -10,15 +10,14 @@ step is one call; one per distinct prompt length when the batch is split by leng
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
+from types import SimpleNamespace
 from typing import List
 
 import torch
 
-from kvmeans.utils.cli import UsageError, run_main
+from kvmeans.utils.args import UsageError
 
 DEFAULT_LENGTHS = [40, 49, 58, 67, 76, 85, 94, 103]
 
@@ -62,14 +61,11 @@ def time_generate(model, ids, mask, new_tokens: int):
         del model.transformer.forward
 
 
-def run(argv=None) -> dict:
-    """Parse ``argv``, time both batches, print the table; returns the medians, ratio and calls per token."""
-    p = argparse.ArgumentParser(prog="kvmeans bench ragged", description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS, help="prompt lengths of the ragged batch")
-    p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats (median), after one warm-up")
-    p.add_argument("--preset", default="tiny-cpu", help="model preset (kvmeans.models.preset)")
-    a = p.parse_args(argv)
+def run(lengths: List[int] = DEFAULT_LENGTHS, new_tokens: int = 48, repeats: int = 3, preset: str = "tiny-cpu") -> dict:
+    """Time greedy ``generate`` of a left-padded batch of prompts of ``lengths`` against one of equal lengths
+    (their mean), ``repeats`` times after a warm-up; print the table; return the medians, ratio and calls per
+    token."""
+    a = SimpleNamespace(lengths=list(lengths), new_tokens=new_tokens, repeats=repeats, preset=preset)
     if min(a.lengths) < 1 or a.new_tokens < 1 or a.repeats < 1:
         raise UsageError(f"--lengths, --new-tokens and --repeats must be >= 1, got {a.lengths}, {a.new_tokens}, "
                          f"{a.repeats}")
@@ -104,12 +100,3 @@ def run(argv=None) -> dict:
               f"{out['calls_per_token'][name]:>12.2f}")
     print(f"ragged / equal = {out['ratio']:.2f}x (decode steps {out['step_ratio']:.2f}x)")
     return out
-
-
-def main(argv=None) -> int:
-    run(argv)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_main("python -m kvmeans.bench.ragged", main, None))

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..utils.io import atomic_write
+from kvmeans.utils.io import atomic_write
 
 __all__ = ["env_info", "format_env", "format_table", "print_table", "write_csv", "write_json",
            "plot_panels", "human_bytes"]

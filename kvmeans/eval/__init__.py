@@ -1,7 +1,21 @@
 """Evaluation helpers: synthetic recall tasks (MQAR, passkey) and their accuracy metrics."""
-from .synthetic import (KEY, NUM_DIGITS, NUM_SPECIAL, PAD, SEP, VAL, accuracy_by_depth, accuracy_grid, mqar_batch,
-                        passkey_batch, passkey_needle_len, plot_heatmap, recall_accuracy)
-from .memory import PAPER_BUDGETS, full_attention_kv_bytes, measure_model, schedule_curves
+from kvmeans.eval.memory import PAPER_BUDGETS, full_attention_kv_bytes, measure_model, schedule_curves
+from kvmeans.eval.synthetic import (
+    KEY,
+    NUM_DIGITS,
+    NUM_SPECIAL,
+    PAD,
+    SEP,
+    VAL,
+    accuracy_by_depth,
+    accuracy_grid,
+    mqar_batch,
+    passkey_batch,
+    passkey_needle_len,
+    plot_heatmap,
+    recall_accuracy,
+)
+
 # the lm-eval `kvm` model (kvmeans.eval.harness) is not imported here: it needs lm-eval + accelerate
 
 __all__ = ["PAD", "SEP", "KEY", "VAL", "NUM_SPECIAL", "NUM_DIGITS", "mqar_batch", "passkey_batch",
@@ -12,6 +26,6 @@ __all__ = ["PAD", "SEP", "KEY", "VAL", "NUM_SPECIAL", "NUM_DIGITS", "mqar_batch"
 
 def __getattr__(name):          # position-loss helpers load lazily (they need numpy; the rest is torch-only)
     if name in ("document_spans", "per_position_nll"):
-        from . import position_loss
+        from kvmeans.eval import position_loss
         return getattr(position_loss, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

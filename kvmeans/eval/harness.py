@@ -1,16 +1,15 @@
 """lm-evaluation-harness support: the ``kvm`` model type (a subclass of lm-eval's ``HFLM``).
 
-Importing this module registers ``kvm`` with ``lm_eval.api.registry``. Three ways to run it::
+Importing this module registers ``kvm`` with ``lm_eval.api.registry``. Two ways to run it::
 
     kvmeans eval lm-eval --model DIR --tasks lambada_openai piqa --batch_size 8
-    python -m kvmeans.eval.harness --model kvm --model_args pretrained=DIR,dtype=float32 --tasks piqa
     lm_eval.simple_evaluate(model=KVMLM(pretrained=DIR), tasks=[...])        # from Python
 
-``kvmeans eval lm-eval`` and ``python -m kvmeans.eval.harness`` take lm-eval's own command line
+``kvmeans eval lm-eval`` takes lm-eval's own command line
 (``lm-eval run`` options: ``--tasks``, ``--include_path``, ``--limit``, ``--output_path``, ...) and
 call lm-eval's CLI after the registration; ``--model DIR`` (a directory) is shorthand for
 ``--model kvm --model_args pretrained=DIR``, and ``--model`` defaults to ``kvm``
-(:mod:`kvmeans.eval.lm_eval_cli`, which checks the arguments before importing lm-eval).
+(:mod:`kvmeans.cli.eval_lm_eval`, which checks the arguments before importing lm-eval).
 
 The plain ``lm_eval --model kvm`` command does **not** work: lm-eval 0.4.x (checked: 0.4.13) only
 knows the models listed in its own ``lm_eval/models/__init__.py`` and imports no installed plug-ins
@@ -36,14 +35,13 @@ with their ``attention_mask``: :class:`~kvmeans.models.hf.KVMForCausalLM` strips
 (every sequence starts at position 0, as alone). Results therefore do not depend on the batch size
 up to float rounding of differently shaped batched matmuls (tests: batch 1 vs 3, identical
 metrics and generations, log-likelihoods equal to 1e-5). A converted transformers model strips them
-the same way (``kvmeans.ops.pretrained_batch``).
+the same way (``kvmeans.pretrained.batch``).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -57,13 +55,13 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
     raise ImportError(f"kvmeans.eval.harness needs lm-eval with its Hugging Face backend ({_err}): "
                       "pip install 'kvmeans[eval]' (lm-eval, accelerate, transformers)") from _err
 
-from ..models.convert import is_reference_checkpoint, reference_config_to_ours
-from ..models.hf import KVMConfig, KVMForCausalLM
-from ..cli import load_model, parse_budget_arg, parse_kvm_arg
-from ..utils.cli import run_main
-from .lm_eval_cli import MODEL_NAME, main, translate_args
+from kvmeans.models.hf import KVMConfig, KVMForCausalLM
+from kvmeans.models.load import load_model
+from kvmeans.models.reference_checkpoint import is_reference_checkpoint, reference_config_to_ours
+from kvmeans.utils.args import parse_budget_arg, parse_kvm_arg
 
-__all__ = ["KVMLM", "main", "translate_args", "MODEL_NAME"]
+__all__ = ["KVMLM", "MODEL_NAME"]
+MODEL_NAME = "kvm"            # the lm-eval model type (kvmeans.cli.eval_lm_eval says it too, without importing lm-eval)
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +72,7 @@ def _default_device() -> str:
 def load_tokenizer_for(model_dir: str):
     """The tokenizer for a model directory (:func:`kvmeans.train.tokenizers.model_tokenizer`: the one saved
     there, or GPT-2's built offline for an authors'-layout directory), with a hint for ``--model_args``."""
-    from ..train.tokenizers import model_tokenizer
+    from kvmeans.train.tokenizers import model_tokenizer
     try:
         return model_tokenizer(model_dir)
     except FileNotFoundError as err:
@@ -199,12 +197,4 @@ def _register() -> None:
             raise
 
 
-if __name__ != "__main__":       # under `python -m`, the package module (imported below) registers
-    _register()
-
-
-if __name__ == "__main__":
-    # run through the package module so the registered class is kvmeans.eval.harness.KVMLM (not a
-    # second copy defined in __main__)
-    from kvmeans.eval.harness import main as _main
-    sys.exit(run_main("python -m kvmeans.eval.harness", _main, None))
+_register()

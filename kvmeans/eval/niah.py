@@ -11,33 +11,28 @@ Batching: the samples of one (task, length) are sorted by prompt length (longest
 ``--batch-size`` at a time with left padding and an attention mask (``KVMForCausalLM`` and a transformers
 model converted to KVM, ``--kvm SPEC`` or a saved converted folder, give every row the tokens it gets alone).
 Output: ``niah.json`` (config with ``kvm``, the spec, and ``kvm_conversion``, the settings applied;
-haystack; per-(task, length) scores; per-sample predictions) and ``niah.csv`` (``task,length,samples,score``) in ``--out`` (default
-``results/niah/<model>-<timestamp>``), and a table like the paper's (rows NIAH-S1/S2/S3, one column per
-length, and the mean).
+haystack; per-(task, length) scores; per-sample predictions) and ``niah.csv`` (``task,length,samples,score``)
+in ``--out`` (default ``results/niah/<model>-<timestamp>``), and a table like the paper's (rows
+NIAH-S1/S2/S3, one column per length, and the mean).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import io
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..cli import (_load_tokenizer, _need_hf, add_budget_argument, add_kvm_argument, check_model_dir, kvm_settings,
-                   load_model, parse_budget_arg, parse_kvm_arg)
-from ..utils.cli import check_device, check_out_dir
-from ..utils.io import atomic_write_text
-from . import ruler
+from kvmeans.eval import ruler
+from kvmeans.utils.io import atomic_write_text
 
-__all__ = ["run_niah", "format_table", "write_results", "main"]
+__all__ = ["run_niah", "format_table", "write_results"]
 
 
-def _device_of(model):
+def device_of(model):
     dev = getattr(model, "device", None)
     if dev is None:
         try:
@@ -47,7 +42,7 @@ def _device_of(model):
     return dev
 
 
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     if not enabled:
         return None
     try:
@@ -57,7 +52,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="sample", dynamic_ncols=True)
 
 
-def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
+def generate_batch(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
     """Greedy continuations of the prompts ``ids`` (left-padded batches, longest first); texts in order."""
     import torch
 
@@ -67,7 +62,7 @@ def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_t
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     stop = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    device = _device_of(model)
+    device = device_of(model)
     out: List[Optional[str]] = [None] * len(ids)
     for s in range(0, len(order), batch_size):
         rows = order[s:s + batch_size]
@@ -93,7 +88,7 @@ def _generate(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_t
     return out  # type: ignore[return-value]
 
 
-def _haystack_for(tasks: Sequence[str], haystack_file: Optional[str]) -> Optional[ruler.EssayHaystack]:
+def haystack_for(tasks: Sequence[str], haystack_file: Optional[str]) -> Optional[ruler.EssayHaystack]:
     """The essay haystack (``haystack_file`` or the built-in one) when a NIAH task in ``tasks`` reads it, else None."""
     if not any(ruler.NIAH_TASKS.get(t, {}).get("type_haystack") == "essay" for t in tasks):
         return None
@@ -154,8 +149,8 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
     """
     tasks, lengths = list(tasks), [int(n) for n in lengths]
     _check_args(tasks, lengths, samples, batch_size, max_new_tokens)
-    hay = _haystack_for(tasks, haystack_file)
-    bar = _progress(len(tasks) * len(lengths) * samples, progress)
+    hay = haystack_for(tasks, haystack_file)
+    bar = progress_bar(len(tasks) * len(lengths) * samples, progress)
     scores, per_sample = [], []
     t0 = time.perf_counter()
     try:
@@ -167,7 +162,7 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
                 if bar is not None:
                     bar.set_description(f"{ruler.TASK_LABELS[task]} {length}")
                 ids, n_tok = prompt_ids(tokenizer, recs, task, length, ruler.TOKENS_TO_GENERATE)
-                preds = _generate(model, tokenizer, ids, batch_size, max_new_tokens, bar)
+                preds = generate_batch(model, tokenizer, ids, batch_size, max_new_tokens, bar)
                 score, fractions = ruler.string_match_all(preds, [r["outputs"] for r in recs])
                 scores.append({"task": task, "label": ruler.TASK_LABELS[task], "length": length, "samples": len(recs),
                                "score": score, "mean_length": round(sum(r["length"] for r in recs) / len(recs), 1),
@@ -193,7 +188,7 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
             "samples": per_sample}
 
 
-def _col(length: int) -> str:
+def column_label(length: int) -> str:
     return f"{length // 1024}K" if length % 1024 == 0 else str(length)
 
 
@@ -203,7 +198,7 @@ def format_table(results: Dict[str, Any]) -> str:
     hay = results.get("haystack") or {}
     builtin = bool(hay.get("builtin"))
     cell = {(s["task"], s["length"]): s["score"] for s in results["scores"]}
-    head = ["task"] + [_col(n) for n in lengths] + ["mean"]
+    head = ["task"] + [column_label(n) for n in lengths] + ["mean"]
     rows = []
     for task in [t for t in ruler.TASKS if any(k[0] == t for k in cell)]:
         label = ruler.TASK_LABELS[task] + ("*" if builtin and ruler.TASKS[task]["type_haystack"] == "essay" else "")
@@ -235,93 +230,3 @@ def write_json_and_csv(out: os.PathLike, stem: str, results: Dict[str, Any], hea
     w.writerows(rows)
     atomic_write_text(d / f"{stem}.csv", buf.getvalue())
     return d
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """The options every RULER-style eval command shares (samples, batching, seed, device, dtype)."""
-    p.add_argument("--samples", type=int, default=500, help="samples per (task, length) (RULER: 500)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (left-padded)")
-    p.add_argument("--seed", type=int, default=ruler.DEFAULT_SEED, help="RULER's random seed (default 42)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto (default): bfloat16 on cuda, float32 on cpu")
-
-
-def add_output_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_kvm_argument(p)
-    add_budget_argument(p)
-
-
-def check_run_arguments(a: argparse.Namespace, command: str) -> bool:
-    """Model folder, device and --out checked before anything heavy; False when transformers is missing."""
-    check_model_dir(a.model)
-    if a.device is not None:
-        check_device("--device", a.device)
-    if a.out is not None:
-        check_out_dir("--out", a.out)
-    return _need_hf(command, extra="eval")
-
-
-def load_run_model(a: argparse.Namespace, kvm, budget):
-    """``(model, config entries for the results)`` on ``a.device`` (default cuda if available) in ``a.dtype``."""
-    import torch
-    from transformers.utils import logging as hf_logging
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = a.dtype if a.dtype != "auto" else ("bfloat16" if str(device).startswith("cuda") else "float32")
-    hf_logging.disable_progress_bar()
-    model = load_model(a.model, getattr(torch, dtype), device, kvm, budget)
-    return model, {"model": os.path.abspath(a.model), "device": str(device), "dtype": dtype, "kvm": a.kvm,
-                   "kvm_conversion": kvm_settings(model), "budget": a.budget}
-
-
-def run_out_dir(a: argparse.Namespace, kind: str) -> Path:
-    """``--out``, or ``results/<kind>/<model>-<timestamp>``."""
-    name = Path(os.path.abspath(a.model)).name or "model"
-    return Path(a.out) if a.out else Path("results") / kind / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def main(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvmeans eval niah", description="RULER needle-in-a-haystack (niah_single_1/2/3), "
-                                "data generated offline with the model's tokenizer; greedy; string_match_all x100")
-    p.add_argument("--model", required=True, help="model directory (ours, the authors' layout or transformers) with its tokenizer")
-    p.add_argument("--tasks", nargs="+", default=list(ruler.TASKS), choices=list(ruler.TASKS),
-                   help="default: all three")
-    p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384, 32768],
-                   help="total lengths in tokens: prompt + 128 generated (default: 4096 8192 16384 32768)")
-    add_run_arguments(p)
-    p.add_argument("--haystack-file", default=None,
-                   help="essay haystack for S2/S3: RULER's PaulGrahamEssays.json ({\"text\": ...}) or a .txt; "
-                        "default: the built-in Shakespeare distractor corpus (not comparable with the paper)")
-    p.add_argument("--max-new-tokens", type=int, default=ruler.TOKENS_TO_GENERATE,
-                   help="generated tokens (default and RULER: 128; fewer only for smoke tests, the budget stays 128)")
-    p.add_argument("--out", default=None, help="folder for niah.json and niah.csv "
-                                               "(default: results/niah/<model>-<timestamp>)")
-    add_output_arguments(p)
-    a = p.parse_args(argv)
-    prog = "kvmeans eval niah"
-    kvm = parse_kvm_arg(a.kvm)
-    budget = parse_budget_arg(a.budget)
-    try:
-        _check_args(a.tasks, a.lengths, a.samples, a.batch_size, a.max_new_tokens)
-    except ValueError as err:
-        p.error(str(err))
-    if not check_run_arguments(a, "eval niah"):
-        return 2
-    try:
-        tok = _load_tokenizer(a.model)
-        hay = _haystack_for(a.tasks, a.haystack_file)
-        for task in a.tasks:   # fail fast (before loading the model) on lengths that cannot hold the template
-            ruler.generate_samples(task, min(a.lengths), 1, tok, seed=a.seed, haystack=hay)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
-    model, run_config = load_run_model(a, kvm, budget)
-    results = run_niah(model, tok, a.tasks, a.lengths, a.samples, a.batch_size, a.seed, a.haystack_file,
-                       a.max_new_tokens, progress=not a.no_progress)
-    results["config"].update(run_config)
-    out = run_out_dir(a, "niah")
-    write_results(results, out)
-    print(format_table(results))
-    print(f"results: {out}{os.sep}niah.json, niah.csv" if a.out else f"results (default folder): {out}")
-    return 0

@@ -94,10 +94,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["TASKS", "TASK_LABELS", "NIAH_TASKS", "NIAH_LABELS", "NEEDLE", "TEMPLATE", "ANSWER_PREFIX", "NOISE", "DEPTHS", "TOKENS_TO_GENERATE",
-           "DEFAULT_SEED", "WORD_KEYS_SHA256", "BUILTIN_HAYSTACK", "word_keys", "split_sentences", "EssayHaystack",
-           "builtin_haystack", "load_haystack", "token_counter", "generate_input_output", "fit_haystack",
-           "generate_samples", "postprocess_pred", "string_match_all", "string_match_part"]
+__all__ = ["TASKS", "TASK_LABELS", "NIAH_TASKS", "NIAH_LABELS", "NEEDLE", "TEMPLATE", "ANSWER_PREFIX", "NOISE",
+           "DEPTHS", "TOKENS_TO_GENERATE", "DEFAULT_SEED", "WORD_KEYS_SHA256", "BUILTIN_HAYSTACK", "word_keys",
+           "split_sentences", "EssayHaystack", "builtin_haystack", "load_haystack", "token_counter",
+           "generate_input_output", "fit_haystack", "generate_samples", "postprocess_pred", "string_match_all",
+           "string_match_part"]
 
 # ---- RULER's constants (scripts/data/synthetic/constants.py, niah.py, synthetic.yaml) -------------------------
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

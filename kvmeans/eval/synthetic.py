@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["PAD", "SEP", "KEY", "VAL", "NUM_SPECIAL", "NUM_DIGITS", "mqar_batch", "passkey_batch",
-           "passkey_needle_len", "multikey_batch", "recall_accuracy", "accuracy_by_depth", "accuracy_grid", "plot_heatmap"]
+           "passkey_needle_len", "multikey_batch", "recall_accuracy", "accuracy_by_depth", "accuracy_grid",
+           "plot_heatmap"]
 
 PAD, SEP, KEY, VAL = 0, 1, 2, 3
 NUM_SPECIAL = 4
@@ -254,11 +255,11 @@ def plot_heatmap(grid: Dict[int, Dict[float, float]], path, title: str = "passke
     or ``None`` (with a printed message) when matplotlib is missing.
     """
     try:
-        from matplotlib.figure import Figure   # no pyplot: the global backend is left alone
+        from matplotlib.figure import Figure  # no pyplot: the global backend is left alone
     except ImportError:
         print("plot_heatmap: matplotlib is not installed; skipping", path)
         return None
-    from ..utils.io import atomic_write
+    from kvmeans.utils.io import atomic_write
 
     lengths = sorted(grid)
     depths = sorted({d for row in grid.values() for d in row})

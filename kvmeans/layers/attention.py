@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.budget import BudgetLike, StateBudget, as_budget
-from ..ops.kvm import BACKENDS, NUMERICS, kvm_attention
-from ..utils.fields import check_field_types
-from .rope import RotaryEmbedding
-from .token_shift import attention_shift_alphas, token_shift
+from kvmeans.layers.rope import RotaryEmbedding
+from kvmeans.layers.token_shift import attention_shift_alphas, token_shift
+from kvmeans.ops.budget import BudgetLike, StateBudget, as_budget
+from kvmeans.ops.kvm import BACKENDS, NUMERICS, kvm_attention
+from kvmeans.utils.fields import check_field_types
 
 __all__ = ["AttentionConfig", "GPTAlphaAttention", "Prepared", "KVMAttentionConfig", "KVMAttention"]
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import AttentionConfig, GPTAlphaAttention, _bad
-from .states import KVCacheState, empty_kv_state, expand_kv, needs_graph, pack_rows
+from kvmeans.layers.attention import AttentionConfig, GPTAlphaAttention, _bad
+from kvmeans.layers.states import KVCacheState, empty_kv_state, expand_kv, needs_graph, pack_rows
 
 __all__ = ["SWAConfig", "BSWAConfig", "FullAttention", "SlidingWindowAttention", "BlockSlidingWindowAttention"]
 

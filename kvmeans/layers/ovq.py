@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .attention import AttentionConfig, GPTAlphaAttention, _bad
-from .baselines import _sdpa
-from .states import BatchedState, expand_kv, pack_rows
+from kvmeans.layers.attention import AttentionConfig, GPTAlphaAttention, _bad
+from kvmeans.layers.baselines import _sdpa
+from kvmeans.layers.states import BatchedState, expand_kv, pack_rows
 
 __all__ = ["OVQConfig", "OVQAttention", "OVQState", "ovq_dict_size"]
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.rwkv7 import BACKENDS, rwkv7_attention
-from ..ops.state import BatchedState
-from ..utils.fields import check_field_types
+from kvmeans.ops.rwkv7 import BACKENDS, rwkv7_attention
+from kvmeans.ops.state import BatchedState
+from kvmeans.utils.fields import check_field_types
 
 __all__ = ["RWKV7Config", "RWKV7TimeMix", "RWKV7State", "LoRA"]
 
@@ -227,7 +227,8 @@ class RWKV7TimeMix(nn.Module):
         w = _LOG_DECAY_SCALE * torch.sigmoid(self.w_lora(xw))
         if self.v_lora is not None and v_first is not None:
             if v_first.shape != v.shape:
-                raise ValueError(f"RWKV7TimeMix: v_first must be [B, T, C] = {list(v.shape)}, got {list(v_first.shape)}")
+                raise ValueError(f"RWKV7TimeMix: v_first must be [B, T, C] = {list(v.shape)}, "
+                                 f"got {list(v_first.shape)}")
             v = torch.lerp(v, v_first.to(v.dtype), torch.sigmoid(self.v_lora(xv)))
         iclr = torch.sigmoid(self.a_lora(xa))
         g = self.g_lora(xg)

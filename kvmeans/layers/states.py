@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops.state import BatchedState
+from kvmeans.ops.state import BatchedState
 
 __all__ = ["BatchedState", "KVCacheState", "expand_kv", "pack_rows"]
 

@@ -1,7 +1,7 @@
 """Language models on the GPTAlpha-2 backbone with KVM and baseline sequence mixers."""
-from .cache import ModelCache
-from .config import PRESETS, KVMModelConfig, preset
-from .mlp import MLP
-from .transformer import KVMLanguageModel, KVMModel
+from kvmeans.models.cache import ModelCache
+from kvmeans.models.config import PRESETS, KVMModelConfig, preset
+from kvmeans.models.mlp import MLP
+from kvmeans.models.transformer import KVMLanguageModel, KVMModel
 
 __all__ = ["KVMLanguageModel", "KVMModel", "KVMModelConfig", "ModelCache", "MLP", "PRESETS", "preset"]

@@ -110,8 +110,8 @@ class ModelCache:
     def stackable(caches: List["ModelCache"]) -> bool:
         """Whether :meth:`stack` can join these caches: every layer of every cache holds a ``KVMState``, or
         every one an ``RWKV7State``."""
-        from ..layers.rwkv7 import RWKV7State
-        from ..ops.state import KVMState
+        from kvmeans.layers.rwkv7 import RWKV7State
+        from kvmeans.ops.state import KVMState
         kinds = {type(st) for c in caches for st in c.layers}
         return len(kinds) == 1 and kinds <= {KVMState, RWKV7State} and \
             len({tuple(s is None for s in c.mlp_shift) for c in caches}) == 1

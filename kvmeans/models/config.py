@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from ..ops.budget import KINDS, StateBudget, parse_budget_spec
-from ..ops.kvm import NUMERICS
-from ..utils.fields import check_field_types
+from kvmeans.ops.budget import KINDS, StateBudget, parse_budget_spec
+from kvmeans.ops.kvm import NUMERICS
+from kvmeans.utils.fields import check_field_types
 
 MIXERS = ("kvm", "full", "swa", "bswa", "ovq", "rwkv7")
 
@@ -132,9 +132,11 @@ class KVMModelConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}", "use a positive size, or None for the default")
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            bad("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}", "set head_dim explicitly")
+            bad("num_heads", f"{self.num_heads} does not divide hidden_size={self.hidden_size}",
+                "set head_dim explicitly")
         if self.num_heads % self.kv_heads:
-            bad("num_kv_heads", f"{self.kv_heads} does not divide num_heads={self.num_heads}", "use a divisor of num_heads")
+            bad("num_kv_heads", f"{self.kv_heads} does not divide num_heads={self.num_heads}",
+                "use a divisor of num_heads")
         if not self.ffn_mult > 0 or self.ffn_dim < 1:
             bad("ffn_mult", f"{self.ffn_mult} gives d_ff = floor({self.ffn_mult} * {self.hidden_size}) // 32 * 32 = "
                 f"{self.ffn_dim}", "use ffn_mult > 0 with ffn_mult * hidden_size >= 32")
@@ -181,7 +183,8 @@ class KVMModelConfig:
             return
         if set(kinds) != {"rwkv7"}:
             name = "mixer_types" if self.mixer_types is not None else "alt_mixer"
-            raise ValueError(f"KVMModelConfig.{name}: rwkv7 layers cannot be mixed with {sorted(set(kinds) - {'rwkv7'})} "
+            raise ValueError(f"KVMModelConfig.{name}: rwkv7 layers cannot be mixed with "
+                             f"{sorted(set(kinds) - {'rwkv7'})} "
                              "(RWKV-7 has its own backbone: token shift on x, value residual from layer 0's value); "
                              "use mixer='rwkv7' alone")
         if self.head_dim is not None and self.head_dim * self.num_heads != self.hidden_size:
@@ -278,8 +281,8 @@ def with_budget(config: KVMModelConfig, budget: Any) -> KVMModelConfig:
     ``power_law:FACTOR[:EXPONENT[:MIN_LEN]]``, ``novelty:THRESHOLD:CAP``. ``ValueError`` when no layer is KVM or a
     fixed budget (a novelty cap) is below ``chunk_len``."""
     if "kvm" not in config.mixer_per_layer():
-        raise ValueError(f"budget override: the model has no KVM layer (layers {sorted(set(config.mixer_per_layer()))}); "
-                         "drop budget / --budget")
+        raise ValueError("budget override: the model has no KVM layer "
+                         f"(layers {sorted(set(config.mixer_per_layer()))}); drop budget / --budget")
     out = dataclasses.replace(config, budget=parse_budget_spec(budget) if isinstance(budget, str) else budget)
     b = out.state_budget()
     if isinstance(b, StateBudget) and b.kind in ("fixed", "novelty") and b.n < config.chunk_len:   # the op's check

@@ -3,7 +3,8 @@
 Supported transformers: ``>=5.18,<5.25``; tests pass with 5.18.0, 5.23.0 and 5.24.0 (torch 2.13 CPU; 5.24 renamed
 ``past_key_values`` to ``cache``, both are taken: :mod:`~kvmeans.models.hf_compat`). Importing this
 module registers ``model_type "kvmeans"`` and the authors' ``"rwkv7backbone"`` (config mapped by
-:func:`~kvmeans.models.convert.reference_config_to_ours`) with ``AutoConfig`` and ``AutoModelForCausalLM``::
+:func:`~kvmeans.models.reference_checkpoint.reference_config_to_ours`) with ``AutoConfig`` and
+``AutoModelForCausalLM``::
 
     import kvmeans.models.hf
     model = AutoModelForCausalLM.from_pretrained(dir)          # our layout
@@ -15,7 +16,7 @@ An authors' directory loads with ``kvm_numerics="reference"`` (their eager code'
     out = model.generate(ids, attention_mask=mask, max_new_tokens=32, num_beams=2)
 
 Parameter names are the authors' (``transformer.*``, ``lm_head.*``), so our ``model.safetensors``
-keys equal theirs (minus the one unused quirk tensor, see :mod:`kvmeans.models.convert`).
+keys equal theirs (minus the one unused quirk tensor, see :mod:`kvmeans.models.reference_checkpoint`).
 
 Cache: :class:`~kvmeans.models.hf_cache.KVMCache`. ``_supports_default_dynamic_cache()`` is False and
 ``generate`` starts from an empty KVMCache (``forward`` also creates one when given None, and swaps
@@ -51,14 +52,19 @@ try:  # spelled PreTrainedConfig since 5.0; the old alias is kept for safety
 except ImportError:  # pragma: no cover
     from transformers import PretrainedConfig as PreTrainedConfig
 
-from .config import KVMModelConfig, with_budget
-from ._reference_format import REFERENCE_MODEL_TYPE
-from .convert import (is_reference_checkpoint, load_reference_state_dict, map_reference_state_dict,
-                      reference_config_to_ours, with_numerics)
-from .hf_cache import KVMCache
-from .hf_compat import CACHE_KWARG, cache_from, cache_kwargs, either_cache
-from .transformer import KVMLanguageModel
-from ..utils.weights import named_weight_errors
+from kvmeans.models.config import KVMModelConfig, with_budget
+from kvmeans.models.hf_cache import KVMCache
+from kvmeans.models.hf_compat import CACHE_KWARG, cache_from, cache_kwargs, either_cache
+from kvmeans.models.reference_checkpoint import (
+    is_reference_checkpoint,
+    load_reference_state_dict,
+    map_reference_state_dict,
+    reference_config_to_ours,
+    with_numerics,
+)
+from kvmeans.models.reference_layout import REFERENCE_MODEL_TYPE
+from kvmeans.models.transformer import KVMLanguageModel
+from kvmeans.utils.weights import named_weight_errors
 
 __all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
 

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..utils.rows import split_selection
-from .cache import ModelCache
+from kvmeans.models.cache import ModelCache
+from kvmeans.utils.rows import split_selection
 
 __all__ = ["KVMCache", "KVMCacheLayer", "format_bytes"]
 

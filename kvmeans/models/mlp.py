@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers.token_shift import mlp_shift_alpha, token_shift
+from kvmeans.layers.token_shift import mlp_shift_alpha, token_shift
 
 __all__ = ["MLP"]
 

@@ -14,14 +14,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..layers.attention import AttentionConfig, KVMAttention, KVMAttentionConfig
-from ..layers.baselines import (BlockSlidingWindowAttention, BSWAConfig, FullAttention, SlidingWindowAttention,
-                                SWAConfig)
-from ..layers.ovq import OVQAttention, OVQConfig
-from ..layers.rwkv7 import RWKV7Config, RWKV7TimeMix
-from .cache import ModelCache
-from .config import KVMModelConfig, preset
-from .mlp import MLP
+from kvmeans.layers.attention import AttentionConfig, KVMAttention, KVMAttentionConfig
+from kvmeans.layers.baselines import (
+    BlockSlidingWindowAttention,
+    BSWAConfig,
+    FullAttention,
+    SlidingWindowAttention,
+    SWAConfig,
+)
+from kvmeans.layers.ovq import OVQAttention, OVQConfig
+from kvmeans.layers.rwkv7 import RWKV7Config, RWKV7TimeMix
+from kvmeans.models.cache import ModelCache
+from kvmeans.models.config import KVMModelConfig, preset
+from kvmeans.models.mlp import MLP
 
 __all__ = ["Block", "KVMModel", "KVMLanguageModel", "build_mixer"]
 
@@ -122,7 +127,8 @@ class KVMModel(nn.Module):
         if not self.config.value_residual:
             return dict.fromkeys(self._first)
         if isinstance(self.h[0].attn, RWKV7TimeMix):      # an RWKV-7 model: every layer is one
-            return {"main": self.h[0].attn.value_anchor(self.h[0].ln_attn(x0), None if cache is None else cache.layers[0])}
+            return {"main": self.h[0].attn.value_anchor(self.h[0].ln_attn(x0),
+                                                        None if cache is None else cache.layers[0])}
         return {s: self.h[i].attn.c_v(self.h[i].ln_attn(x0)) for s, i in self._first.items()}
 
     def forward(self, input_ids: Tensor, cache: Optional[ModelCache] = None, output_hidden_states: bool = False):

@@ -1,6 +1,6 @@
 """The KVM operator: budgets, carried state, and the three agreeing paths (naive, chunked, recurrent)."""
-from .budget import StateBudget
-from .kvm import kvm_attention
-from .state import KVMState
+from kvmeans.ops.budget import StateBudget
+from kvmeans.ops.kvm import kvm_attention
+from kvmeans.ops.state import KVMState
 
 __all__ = ["kvm_attention", "StateBudget", "KVMState"]

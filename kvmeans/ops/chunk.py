@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .budget import is_data_dependent
-from .chunk_reconstruct import GroupPlan, reconstruct_attention
-from .masking import finite_tokens, poison, window_poison
-from .routing import memory_keys, readout, token_streams
-from .schedule import bswa_begin, coverage_after, plan_updates
-from .recurrent import _readout_cached, absorb, own_buffers
-from .state import KVMState
+from kvmeans.ops.budget import is_data_dependent
+from kvmeans.ops.chunk_reconstruct import GroupPlan, reconstruct_attention
+from kvmeans.ops.masking import finite_tokens, poison, window_poison
+from kvmeans.ops.recurrent import _readout_cached, absorb, own_buffers
+from kvmeans.ops.routing import memory_keys, readout, token_streams
+from kvmeans.ops.schedule import bswa_begin, coverage_after, plan_updates
+from kvmeans.ops.state import KVMState
 
 GROUP_BYTES = 256 << 20        # working set of one group's attention call (CPU; a GPU's is sized by its memory)
 RECONSTRUCT_BYTES = 1 << 30    # "auto" backward: reconstruct the state when a graph would keep more than this
@@ -283,7 +283,7 @@ def _attend_group(ca, cb, q, kw, vw, base_k, base_v, base_r, dk, dv, dr, dest, a
     reuses them instead of launching it (torch attention ignores both; ``with_lse`` gives ``(o, None)``).
     ``counts [B, Hkv, chunks]`` (novelty budget): the rows in use per (b, h) each chunk sees; the others are hidden.
     """
-    B, Hkv, G = q.shape[0], kw.shape[1], cb - ca
+    Hkv, G = kw.shape[1], cb - ca
     M = rows_at[cb - 1]
     tri = attn == "triton"
     tri_args = (kw, vw, max(w0, (ca + 1 - n) * C), state_temp, bswa_temp)
@@ -373,7 +373,7 @@ def _triton_group(ca, cb, q, k_hat, v_hat, kw, vw, k_start, state_temp, bswa_tem
     """The fused Triton kernel for query chunks ``[ca, cb)``: ``q [B, H, qb - qa, D]`` from position ``qa``,
     snapshots ``[B, G, Hkv, M, D|Dv]`` (or None), window tokens from position ``k_start``; ``counts`` (novelty
     budget): the rows each (b, kv head) sees per chunk, ``[B, Hkv, chunks]``."""
-    from .triton.attention import chunk_attention, chunk_attention_fwd
+    from kvmeans.ops.triton.attention import chunk_attention, chunk_attention_fwd
     rows = None if k_hat is None else (
         torch.tensor(rows_at[ca:cb], dtype=torch.int32, device=q.device) if counts is None else counts[:, :, ca:cb])
     fn = chunk_attention_fwd if with_lse else partial(chunk_attention, saved=saved)

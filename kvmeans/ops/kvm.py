@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .budget import BudgetLike, StateBudget, as_budget, is_data_dependent
-from .chunk import chunk_kvm_attention
-from .naive import naive_kvm_attention
-from .ragged import ragged_kvm_attention, split_call
-from .recurrent import recurrent_kvm_attention
-from .state import KVMState
+from kvmeans.ops.budget import BudgetLike, StateBudget, as_budget, is_data_dependent
+from kvmeans.ops.chunk import chunk_kvm_attention
+from kvmeans.ops.naive import naive_kvm_attention
+from kvmeans.ops.ragged import ragged_kvm_attention, split_call
+from kvmeans.ops.recurrent import recurrent_kvm_attention
+from kvmeans.ops.state import KVMState
 
 BACKENDS = ("auto", "naive", "chunked", "recurrent", "triton")
 NUMERICS = ("exact", "mixed", "reference")
@@ -142,7 +142,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     if numerics == "mixed" and q.dtype in HALF and backend == "chunked":
         kwargs["mma_dtype"] = q.dtype
     if numerics == "reference":
-        from .reference_numerics import reference_kvm_attention as impl
+        from kvmeans.ops.reference_numerics import reference_kvm_attention as impl
     else:
         impl = {"ragged": ragged_kvm_attention, "naive": naive_kvm_attention,
                 "chunked": chunk_kvm_attention}.get(backend, recurrent_kvm_attention)
@@ -160,10 +160,10 @@ def _kernels(backend, device, dtype, compute, numerics):
     path still to choose. ``"auto"`` takes Triton on CUDA only once its self-check passed for
     ``(device, dtype, numerics)``; ``"triton"`` forces it (or says why it cannot run)."""
     if backend == "triton" or (backend == "auto" and device.type == "cuda" and numerics != "reference"):
-        from .triton import unavailable_reason    # cheap: does not import triton
+        from kvmeans.ops.triton import unavailable_reason  # cheap: does not import triton
         why = unavailable_reason(device, compute)
         if why is None and backend == "auto":
-            from .triton.selfcheck import triton_verified
+            from kvmeans.ops.triton.selfcheck import triton_verified
             why = None if triton_verified(device, dtype, numerics) else "self-check failed"
         if why is None:
             return "triton", "auto"

@@ -11,11 +11,11 @@ import math
 import torch
 from torch import Tensor
 
-from .masking import finite_tokens, poison, rows_poison, window_poison
-from .budget import is_data_dependent
-from .routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
-from .schedule import bswa_begin, plan_updates
-from .state import KVMState
+from kvmeans.ops.budget import is_data_dependent
+from kvmeans.ops.masking import finite_tokens, poison, rows_poison, window_poison
+from kvmeans.ops.routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
+from kvmeans.ops.schedule import bswa_begin, plan_updates
+from kvmeans.ops.state import KVMState
 
 
 def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KVMState, *, budget,

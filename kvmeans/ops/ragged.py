@@ -28,11 +28,11 @@ from typing import Callable, List, Set, Tuple
 import torch
 from torch import Tensor
 
-from .budget import is_data_dependent
-from .recurrent import absorb
-from .routing import memory_keys, readout
-from .schedule import bswa_begin
-from .state import KVMState, RowSchedule
+from kvmeans.ops.budget import is_data_dependent
+from kvmeans.ops.recurrent import absorb
+from kvmeans.ops.routing import memory_keys, readout
+from kvmeans.ops.schedule import bswa_begin
+from kvmeans.ops.state import KVMState, RowSchedule
 
 __all__ = ["ragged_kvm_attention", "split_call"]
 
@@ -91,7 +91,7 @@ def ragged_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_w
         active = torch.tensor(visible, device=q.device).view(B, 1) > 0
         per_head = torch.where(active, state.row_count, 0).to(torch.int32)
     if attn == "triton":
-        from .triton.decode import decode_attention
+        from kvmeans.ops.triton.decode import decode_attention
         lengths = torch.tensor([visible, win], dtype=torch.int32, device=q.device).T.contiguous()     # [B, 2]
         if per_head is not None:
             lengths = torch.stack([per_head, lengths[:, 1:].expand_as(per_head)], -1)     # [B, Hkv, 2]

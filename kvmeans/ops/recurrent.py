@@ -23,11 +23,11 @@ import math
 import torch
 from torch import Tensor
 
-from .masking import finite_tokens, poison, rows_poison, window_poison
-from .budget import is_data_dependent
-from .routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
-from .schedule import bswa_begin, coverage_after, plan_updates
-from .state import KVMState
+from kvmeans.ops.budget import is_data_dependent
+from kvmeans.ops.masking import finite_tokens, poison, rows_poison, window_poison
+from kvmeans.ops.routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
+from kvmeans.ops.schedule import bswa_begin, coverage_after, plan_updates
+from kvmeans.ops.state import KVMState
 
 
 @torch.no_grad()
@@ -173,7 +173,7 @@ def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_
     rows_hat, _ = _readout_cached(state, ln)         # LN_s of the state: shared with the attention readout
     fused = attn == "triton" and state.keys.dtype == torch.float32 and state.radii.dtype == torch.float32
     if fused:
-        from .triton import update as tri
+        from kvmeans.ops.triton import update as tri
         route = tri.route_overflow_triton
     else:
         route = route_overflow
@@ -277,7 +277,7 @@ def _unused_rows(state: KVMState) -> Tensor:
 
 def _attend_triton(state: KVMState, q: Tensor, q_start: int, ln, state_temp, bswa_temp, scale) -> Tensor:
     """:func:`_attend` with :func:`kvmeans.ops.triton.decode.decode_attention` (queries = last window tokens)."""
-    from .triton.decode import decode_attention
+    from kvmeans.ops.triton.decode import decode_attention
     t = q.shape[2]
     wk, wv, k_hat, v_hat, seen_bad = _operands(state, ln, q_start, t, state.window_keys, state.window_values)
     lengths = _decode_lengths(state, 0 if k_hat is None else state.num_rows, state.window_len, t)

@@ -39,10 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .routing import memory_keys, state_layer_norm
-from .schedule import bswa_begin, plan_updates
-from .state import KVMState
-
+from kvmeans.ops.routing import memory_keys, state_layer_norm
+from kvmeans.ops.schedule import bswa_begin, plan_updates
+from kvmeans.ops.state import KVMState
 
 
 def reference_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KVMState, *, budget,

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .schedule import bswa_begin
+from kvmeans.ops.schedule import bswa_begin
 
 __all__ = ["KVMState", "BatchedState", "RowSchedule"]
 

@@ -24,12 +24,16 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ..utils.io import atomic_write_file
-from ..utils.weights import read_error
+from kvmeans.utils.io import atomic_write_file
+from kvmeans.utils.weights import read_error
 
 __all__ = ["save_checkpoint", "load_checkpoint", "restore_checkpoint", "latest_checkpoint", "rng_state",
            "set_rng_state", "remove_temp_files", "payload_checksum", "CheckpointError"]

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..models.config import PRESETS as MODEL_PRESETS
-from ..models.config import KVMModelConfig, budget_to_dict, preset
+from kvmeans.models.config import PRESETS as MODEL_PRESETS
+from kvmeans.models.config import KVMModelConfig, budget_to_dict, preset
 
 __all__ = ["ModelSection", "DataSection", "OptimSection", "TrainSection", "RunConfig", "RUN_PRESETS",
            "ConfigError", "resolve_config", "parse_overrides"]
@@ -127,7 +127,7 @@ class RunConfig:
         t, dt, o = self.train, self.data, self.optim
         if not dt.path:
             raise ConfigError(f"data.path is empty: preset {self.name!r} trains on a prepared folder; pass --data DIR "
-                              "(written by `python -m kvmeans.train.prepare`) or --data builtin")
+                              "(written by `kvmeans data prepare`) or --data builtin")
         if (t.max_steps is None) == (t.token_budget is None):
             raise ConfigError("set exactly one of train.max_steps and train.token_budget "
                               f"(got max_steps={t.max_steps}, token_budget={t.token_budget})")
@@ -188,7 +188,7 @@ def field_type(sec: str, key: str):
 
 def _check(sec: str, key: str, value: Any) -> Any:
     if (sec, key) == ("model", "budget") and isinstance(value, str):    # a spec, as every command's --budget takes
-        from ..ops.budget import parse_budget_spec
+        from kvmeans.ops.budget import parse_budget_spec
         try:
             value = parse_budget_spec(value)
         except ValueError as err:

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ..utils.io import atomic_write
+from kvmeans.utils.io import atomic_write
 
 MAGIC = b"KVMTOK1\0"
 _ALIGN = 64

@@ -30,14 +30,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import KVMModelConfig
-from ..utils.io import atomic_dir, atomic_write_file
-from .checkpoint import latest_checkpoint, load_checkpoint, remove_temp_files, restore_checkpoint, save_checkpoint
-from .config import ConfigError, RunConfig
-from .data import TokenBatches, TokenFile
-from .metrics import MetricsLog, Progress
-from .optim import apply_schedule, build_optimizer, refresh_peaks
-from .runtime import Runtime, build_model, grad_sync, setup_runtime
+from kvmeans.models import KVMModelConfig
+from kvmeans.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_temp_files,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from kvmeans.train.config import ConfigError, RunConfig
+from kvmeans.train.data import TokenBatches, TokenFile
+from kvmeans.train.metrics import MetricsLog, Progress
+from kvmeans.train.optim import apply_schedule, build_optimizer, refresh_peaks
+from kvmeans.train.runtime import Runtime, build_model, grad_sync, setup_runtime
+from kvmeans.utils.io import atomic_dir, atomic_write_file
 
 __all__ = ["train", "train_step", "evaluate", "open_run", "export_final"]
 
@@ -95,11 +101,11 @@ def prepare_data(cfg: RunConfig, model_cfg: KVMModelConfig, rt: Runtime, out: Pa
         missing = [n for n in ("train.bin", "val.bin") if not (path / n).is_file()]
         if missing:
             raise ConfigError(f"data.path={path}: missing {', '.join(missing)}; prepare it with "
-                              f"`python -m kvmeans.train.prepare --input ... --out {path}` (or use --data builtin)")
+                              f"`kvmeans data prepare --input ... --out {path}` (or use --data builtin)")
         return path
     path = out / "data"
     if rt.is_main and not (path / "val.bin").is_file():
-        from .prepare import prepare_tokens
+        from kvmeans.train.prepare import prepare_tokens
         vocab = cfg.data.vocab_size or model_cfg.vocab_size
         prepare_tokens(["builtin"], path, "builtin", vocab_size=vocab, val_fraction=0.05, seed=0,
                        log=lambda m: print(f"data: {m}", flush=True))
@@ -239,7 +245,7 @@ def _write_model(folder: Path, sd: Dict[str, torch.Tensor], model_cfg: KVMModelC
     try:
         from transformers.utils import logging as hf_logging
 
-        from ..models.hf import KVMConfig, KVMForCausalLM
+        from kvmeans.models.hf import KVMConfig, KVMForCausalLM
     except ImportError:
         print("note: transformers is not installed; OUT/final holds model.pt + kvm_config.json "
               "(pip install 'kvmeans[hf]' for the Hugging Face layout)", flush=True)

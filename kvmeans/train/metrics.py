@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..utils.io import atomic_write_file
-from .config import RunConfig
+from kvmeans.train.config import RunConfig
+from kvmeans.utils.io import atomic_write_file
 
 __all__ = ["MetricsLog", "Progress", "COLUMNS"]
 

@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
-from .config import OptimSection
+from kvmeans.train.config import OptimSection
 
 __all__ = ["build_param_groups", "build_optimizer", "mup_ratio", "group_peaks", "refresh_peaks", "lr_factor",
            "apply_schedule"]

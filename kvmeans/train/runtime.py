@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..models import KVMLanguageModel, KVMModelConfig
-from .config import ConfigError, RunConfig
+from kvmeans.models import KVMLanguageModel, KVMModelConfig
+from kvmeans.train.config import ConfigError, RunConfig
 
 __all__ = ["Runtime", "setup_runtime", "LogitsOnly", "build_model", "grad_sync"]
 
@@ -89,6 +89,7 @@ def _shard(model: KVMLanguageModel) -> None:
     """FSDP2: ``fully_shard`` each block, then the root. The first block of each value-residual stream
     stays in the root unit: the backbone reads its ``ln_attn`` / ``c_v`` outside that block's forward."""
     import warnings
+
     from torch.distributed.fsdp import fully_shard
     cfg = model.config
     anchors = {}

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
-from ..utils.io import atomic_write_text
+from kvmeans.utils.io import atomic_write_text
 
 EOT = "<|endoftext|>"
 GPT2_ID = "gpt2"
@@ -120,7 +120,7 @@ def builtin_tokenizer(vocab_size: int = 4096, cache: Optional[Union[str, os.Path
     """
     if vocab_size < 257:
         raise ValueError(f"vocab_size must be >= 257 (256 bytes + end-of-text), got {vocab_size}")
-    from .data import builtin_documents
+    from kvmeans.train.data import builtin_documents
     docs = builtin_documents()
     h = hashlib.sha256(_RECIPE.encode())
     for doc in docs:

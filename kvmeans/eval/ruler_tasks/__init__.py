@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from .. import ruler
-from . import cwe, fwe, qa, vt
+from kvmeans.eval import ruler
+from kvmeans.eval.ruler_tasks import cwe, fwe, qa, vt
 
-__all__ = ["RULER_TASKS", "SYNTHETIC_TASKS", "QA_TASKS", "LABELS", "TOKENS_TO_GENERATE", "METRICS", "check_task", "generate_samples",
-           "score"]
+__all__ = ["RULER_TASKS", "SYNTHETIC_TASKS", "QA_TASKS", "LABELS", "TOKENS_TO_GENERATE", "METRICS", "check_task",
+           "generate_samples", "score"]
 
 QA_TASKS = ("qa_1", "qa_2")
 RULER_TASKS = tuple(ruler.NIAH_TASKS) + ("vt", "cwe", "fwe") + QA_TASKS

@@ -23,8 +23,8 @@ import random
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, Tuple
 
-from ..ruler import _wonderwords_list
-from .search import draw_samples, fit_size, split_prefix
+from kvmeans.eval.ruler import _wonderwords_list
+from kvmeans.eval.ruler_tasks.search import draw_samples, fit_size, split_prefix
 
 __all__ = ["TEMPLATE", "ANSWER_PREFIX", "TOKENS_TO_GENERATE", "words", "generate_input_output", "generate_samples"]
 
@@ -66,7 +66,8 @@ def generate_input_output(rng: random.Random, seed: int, num_words: int, max_len
     """RULER's ``generate_input_output``: ``(few-shot example + "\\n" + template + answer prefix, common words)``."""
     short = max_length < 4096
     shots = [_example(rng, seed, 20, 3, 1) if short else _example(rng, seed, 40, 10, 3) for _ in range(NUM_FEWSHOT)]
-    context, answer = _example(rng, seed, num_words, 6, 1) if short else _example(rng, seed, num_words, FREQ_CW, FREQ_UCW)
+    context, answer = (_example(rng, seed, num_words, 6, 1) if short
+                       else _example(rng, seed, num_words, FREQ_CW, FREQ_UCW))
     template = TEMPLATE + ANSWER_PREFIX
     shown = "\n".join(template.format(context=c, query="") + " " + _numbered(a) for c, a in shots)
     return shown + "\n" + template.format(context=context, query=""), answer
@@ -74,7 +75,8 @@ def generate_input_output(rng: random.Random, seed: int, num_words: int, max_len
 
 def generate_samples(max_length: int, num_samples: int, count: Callable[[str], int], *, seed: int,
                      task: str = "cwe") -> List[Dict[str, Any]]:
-    """``num_samples`` RULER ``cwe`` records at ``max_length`` (fields as :func:`kvmeans.eval.ruler.generate_samples`)."""
+    """``num_samples`` RULER ``cwe`` records at ``max_length`` (fields as
+    :func:`kvmeans.eval.ruler.generate_samples`)."""
     rng, inc = random.Random(seed), 10
 
     def make(n):

@@ -22,7 +22,7 @@ import random
 import string
 from typing import Any, Callable, Dict, List, Tuple
 
-from .search import split_prefix
+from kvmeans.eval.ruler_tasks.search import split_prefix
 
 __all__ = ["TEMPLATE", "ANSWER_PREFIX", "TOKENS_TO_GENERATE", "vocabulary", "coded_text", "generate_samples"]
 
@@ -35,7 +35,8 @@ ALPHA, CODED_WORDLEN = 2.0, 6
 
 
 def vocabulary(rng: random.Random, seed: int, vocab_size: int, coded_wordlen: int = CODED_WORDLEN) -> List[str]:
-    """RULER's coded vocabulary: ``vocab_size`` unique random words, sorted, shuffled by ``Random(seed)``; [0] = '...'."""
+    """RULER's coded vocabulary: ``vocab_size`` unique random words, sorted, shuffled by ``Random(seed)``;
+    [0] = '...'."""
     vocab = ["".join(rng.choices(string.ascii_lowercase, k=coded_wordlen)) for _ in range(vocab_size)]
     while len(set(vocab)) < vocab_size:
         vocab.append("".join(rng.choices(string.ascii_lowercase, k=coded_wordlen)))
@@ -65,7 +66,8 @@ def _too_small(task: str, max_length: int) -> ValueError:
 
 def generate_samples(max_length: int, num_samples: int, count: Callable[[str], int], *, seed: int,
                      task: str = "fwe") -> List[Dict[str, Any]]:
-    """``num_samples`` RULER ``fwe`` records at ``max_length`` (fields as :func:`kvmeans.eval.ruler.generate_samples`)."""
+    """``num_samples`` RULER ``fwe`` records at ``max_length`` (fields as
+    :func:`kvmeans.eval.ruler.generate_samples`)."""
     rng = random.Random(seed)
     budget = max_length - TOKENS_TO_GENERATE
     if budget < 32:

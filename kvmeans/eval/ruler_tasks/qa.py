@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple, Union
 
-from .search import draw_samples, fit_size, split_prefix
+from kvmeans.eval.ruler_tasks.search import draw_samples, fit_size, split_prefix
 
 __all__ = ["TEMPLATE", "ANSWER_PREFIX", "TOKENS_TO_GENERATE", "QAData", "load_qa_data", "generate_input_output",
            "generate_samples"]

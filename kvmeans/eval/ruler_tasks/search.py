@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
 
-from ..ruler import fit_haystack
+from kvmeans.eval.ruler import fit_haystack
 
 __all__ = ["too_small", "fit_size", "draw_samples", "split_prefix"]
 

@@ -24,8 +24,8 @@ import random
 import string
 from typing import Any, Callable, Dict, List, Tuple
 
-from ..ruler import NOISE
-from .search import draw_samples, fit_size, split_prefix
+from kvmeans.eval.ruler import NOISE
+from kvmeans.eval.ruler_tasks.search import draw_samples, fit_size, split_prefix
 
 __all__ = ["TEMPLATE", "ANSWER_PREFIX", "TOKENS_TO_GENERATE", "generate_input_output", "generate_samples"]
 
@@ -49,7 +49,8 @@ def _chains(rng: random.Random, nprng, num_chains: int, num_hops: int, is_icl: b
         these = names[i:i + num_hops + 1]
         names_out.append(these)
         value = "12345" if is_icl else str(nprng.randint(10000, 99999))
-        chains.append([f"VAR {these[0]} = {value}"] + [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(num_hops)])
+        chains.append([f"VAR {these[0]} = {value}"]
+                      + [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(num_hops)])
     return names_out, chains
 
 
@@ -92,7 +93,8 @@ def _icl_example(rng, nprng, count: Callable[[str], int]) -> str:
 
 def generate_samples(max_length: int, num_samples: int, count: Callable[[str], int], *, seed: int,
                      task: str = "vt") -> List[Dict[str, Any]]:
-    """``num_samples`` RULER ``vt`` records at ``max_length`` (fields as :func:`kvmeans.eval.ruler.generate_samples`)."""
+    """``num_samples`` RULER ``vt`` records at ``max_length`` (fields as
+    :func:`kvmeans.eval.ruler.generate_samples`)."""
     import numpy as np
 
     rng, nprng = random.Random(seed), np.random.RandomState(seed)

@@ -47,7 +47,7 @@ def fla_usable(device: torch.device) -> bool:
 
 
 def _agrees(device: torch.device) -> bool:
-    from .chunk import rwkv7_chunk
+    from kvmeans.ops.rwkv7.chunk import rwkv7_chunk
     g = torch.Generator().manual_seed(0)
     n = lambda *s: torch.randn(*s, generator=g)
     B, T, H, K = 1, 70, 2, 64

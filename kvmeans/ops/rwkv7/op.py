@@ -6,10 +6,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .chunk import rwkv7_chunk
-from .fla_backend import fla_available, fla_usable, rwkv7_fla
-from .naive import rwkv7_naive
-from .recurrent import rwkv7_recurrent
+from kvmeans.ops.rwkv7.chunk import rwkv7_chunk
+from kvmeans.ops.rwkv7.fla_backend import fla_available, fla_usable, rwkv7_fla
+from kvmeans.ops.rwkv7.naive import rwkv7_naive
+from kvmeans.ops.rwkv7.recurrent import rwkv7_recurrent
 
 __all__ = ["rwkv7_attention", "BACKENDS"]
 

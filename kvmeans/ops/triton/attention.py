@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
 LOG2E = 1.4426950408889634
 _POS_ARGS = ["q_start", "q_lo", "q_hi", "k_start", "ca", "C", "NB", "NK"]   # positions: never specialise on 1
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import INTERPRETED, _load_kv, _pow2, _softmax_step, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]

@@ -36,9 +36,9 @@ def triton_verified(device, dtype: torch.dtype, numerics: str) -> bool:
 
 def run_selfcheck(device: torch.device, dtype: torch.dtype, numerics: str) -> Optional[str]:
     """None if the Triton path matches the torch path on a tiny input, else the failure in one line."""
-    from ..kvm import kvm_attention
-    from ...utils.testing import make_inputs
-    from .. import StateBudget
+    from kvmeans.ops import StateBudget
+    from kvmeans.ops.kvm import kvm_attention
+    from kvmeans.utils.testing import make_inputs
 
     x = make_inputs(B=1, H=2, Hkv=1, T=21, D=16, Dv=16, dtype=torch.float32, seed=0)
     cfg = dict(chunk_len=4, n_bswa_chunks=2, budget=StateBudget.power_law(2, 0.5, min_len=4), numerics=numerics)

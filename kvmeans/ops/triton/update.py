@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..routing import route_overflow
-from .attention import INTERPRETED, _pow2, dot_precision
+from kvmeans.ops.routing import route_overflow
+from kvmeans.ops.triton.attention import INTERPRETED, _pow2, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
             for t, n, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (16, 64, 2)]]

@@ -1,0 +1,18 @@
+"""``kvmeans bench <benchmark>``: one module per benchmark, imported only when asked for."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from kvmeans.cli._dispatch import run_subcommand
+
+BENCHMARKS: Dict[str, Tuple[str, str]] = {
+    "ops": ("kvmeans.cli.bench_ops", "KVM vs SDPA: prefill, backward, decode, memory (`kvmeans bench ops --help`)"),
+    "ragged": ("kvmeans.cli.bench_ragged", "generate on prompts of distinct lengths vs equal lengths: time ratio and "
+               "calls per token (`kvmeans bench ragged --help`)"),
+    "pretrained": ("kvmeans.cli.bench_pretrained", "a transformers model: full, StreamingLLM, KVM, kvpress on the "
+                   "same samples (`kvmeans bench pretrained --model DIR --out DIR`)"),
+}
+
+
+def main(argv: List[str]) -> int:
+    return run_subcommand("kvmeans bench", "benchmark", BENCHMARKS, argv)

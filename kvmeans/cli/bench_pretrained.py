@@ -1,0 +1,172 @@
+"""``kvmeans bench pretrained``: full attention, StreamingLLM, KVM and kvpress on the same samples (see
+:mod:`kvmeans.pretrained.bench`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from kvmeans.eval import ruler
+from kvmeans.pretrained.bench import (
+    ARMS,
+    DEFAULT_KVM,
+    Arm,
+    _recall_setting,
+    _settings,
+    _write,
+    all_samples,
+    distilled_arm,
+    kept_keys,
+    kvm_arm,
+    kvm_settings,
+    merge_kvpress,
+    ppl_row,
+    streaming_arm,
+    tables,
+    write_samples,
+)
+from kvmeans.utils.args import UsageError, check_out_dir
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmeans bench pretrained", description="A pretrained transformers causal LM "
+                                "with full attention, StreamingLLM, training-free KVM, a distilled KVM and kvpress "
+                                "presses on the same samples at equal kept keys: NIAH / RULER recall, perplexity by "
+                                "position, cache bytes, tokens/s")
+    p.add_argument("--model", required=True,
+                   help="transformers model folder (e.g. `kvmeans models fetch smollm2-135m`)")
+    p.add_argument("--out", required=True, help="folder for samples.jsonl, bench.csv, bench.json")
+    p.add_argument("--kvm", default=DEFAULT_KVM, metavar="SPEC", help="training-free KVM settings for "
+                   f"kvmeans.convert_hf (its budget is set to match the kept keys; default {DEFAULT_KVM}); "
+                   "'none': no KVM arm")
+    p.add_argument("--distilled", metavar="DIR",
+                   help="a distilled (saved converted) KVM folder, run at its own settings")
+    p.add_argument("--kvpress-results", nargs="+", metavar="FILE", help="kvpress.json files of "
+                   "benchmarks/kvpress/run_kvpress.py on this run's samples.jsonl, merged into the table")
+    p.add_argument("--samples-only", action="store_true", help="write OUT/samples.jsonl and stop")
+    p.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS, help="our arms to run (default all; none: "
+                   "only merge --kvpress-results); the distilled arm runs whenever --distilled is given")
+    p.add_argument("--benches", nargs="+", default=["niah", "ruler", "ppl"], choices=["niah", "ruler", "ppl"])
+    p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75], help="compression ratios for recall "
+                   "(kept keys = (1 - r) x the context; default 0.5 0.75)")
+    p.add_argument("--niah-samples", type=int, default=20)
+    p.add_argument("--niah-length", type=int, default=1024, help="context tokens of the prose NIAH (default 1024)")
+    p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_1", "niah_single_2"], choices=list(ruler.TASKS))
+    p.add_argument("--ruler-lengths", nargs="+", type=int, default=[1024, 2048, 4096])
+    p.add_argument("--ruler-samples", type=int, default=4)
+    p.add_argument("--ppl-lengths", nargs="+", type=int, default=[2048, 4096, 8192])
+    p.add_argument("--ppl-windows", type=int, default=1, help="Shakespeare windows per length")
+    p.add_argument("--ppl-keys", type=int, default=260, help="kept keys of compressed arms in ppl (default 260)")
+    p.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _check(p, a) -> None:
+    if not all(0 < r < 1 for r in a.ratios):
+        p.error(f"--ratios must lie in (0, 1), got {a.ratios}")
+    if min(a.niah_samples, a.ruler_samples, a.ppl_windows, a.max_new_tokens) < 1:
+        p.error("--niah-samples, --ruler-samples, --ppl-windows and --max-new-tokens must be >= 1")
+    if a.sinks < 0 or a.ppl_keys <= a.sinks:
+        p.error(f"need 0 <= --sinks < --ppl-keys, got {a.sinks} and {a.ppl_keys}")
+    if not (Path(a.model) / "config.json").is_file():
+        raise UsageError(f"--model {a.model}: no config.json there; give a transformers model folder")
+    check_out_dir("--out", a.out)
+    for path in a.kvpress_results or []:
+        if not Path(path).is_file():
+            p.error(f"--kvpress-results {path}: no such file; run benchmarks/kvpress/run_kvpress.py first")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = _parser()
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    _check(p, a)
+    from kvmeans.models.load import load_hf_tokenizer, load_model
+    from kvmeans.utils.args import parse_kvm_arg
+    kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm)
+    if a.threads is not None:
+        torch.set_num_threads(max(1, a.threads))
+    from transformers.utils import logging as hf_logging
+
+    from kvmeans.bench.report import env_info, format_env
+    from kvmeans.pretrained.ppl import text_windows
+    hf_logging.disable_progress_bar()
+    out = Path(a.out)
+    tok = load_hf_tokenizer(a.model)
+    try:
+        samples = all_samples(tok, a)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    write_samples(out / "samples.jsonl", samples)
+    print(f"wrote {len(samples)} samples to {out / 'samples.jsonl'}", flush=True)
+    if a.samples_only:
+        return 0
+    if kvm is not None and "kvm" in a.arms:     # every cell's geometry now, not an hour into the run
+        for smp in samples:
+            for r in a.ratios:
+                kvm_settings(kept_keys(smp, r), kvm)
+        if "ppl" in a.benches:
+            kvm_settings(a.ppl_keys, kvm)
+    rows: List[Dict[str, Any]] = []
+    answers: List[Dict[str, Any]] = []
+    for path in a.kvpress_results or []:
+        got = merge_kvpress(json.loads(Path(path).read_text()), samples, tok)
+        rows += got[0]
+        answers += got[1]
+    model = load_model(a.model, torch.float32, "cpu") if a.arms else None
+    distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
+    if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
+        raise UsageError(f"--distilled {a.distilled}: not a converted KVM folder (no kvm_conversion in its "
+                         "config.json); give the output folder of kvmeans distill")
+    windows = {n: text_windows(tok, "shakespeare", a.ppl_windows, n, a.seed) for n in a.ppl_lengths} \
+        if "ppl" in a.benches and (a.arms or distilled is not None) else {}
+    groups = _settings(samples)
+    n_comp = ("streaming" in a.arms) + (kvm is not None and "kvm" in a.arms)
+    n_one = ("full" in a.arms) + (distilled is not None)
+    total = sum(len(g) * (n_one + n_comp * len(a.ratios)) for g in groups) + \
+        len(windows) * a.ppl_windows * (n_one + n_comp)
+    info = env_info()
+    settings = {k: v for k, v in vars(a).items()}
+    settings["kvm_settings"] = kvm
+    print(format_env(info), flush=True)
+    bar = None
+    if not a.no_progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+    tick = bar.update if bar is not None else None
+
+    def record(row, ans=()):
+        rows.append(row)
+        answers.extend(ans)
+        _write(out, settings, info, rows, answers)
+    try:
+        full = Arm("full", model)
+        niah = [g for g in groups if g[0]["bench"] == "niah"]
+        for group in niah:
+            _recall_setting(group, full, kvm, distilled, a, tok, record, bar)
+        for length, w in windows.items():
+            arms = [full] if "full" in a.arms else []
+            arms += [streaming_arm(model, a.ppl_keys, a.sinks)] if "streaming" in a.arms else []
+            arms += [kvm_arm(model, a.ppl_keys, kvm)] if kvm is not None and "kvm" in a.arms else []
+            arms += [distilled_arm(distilled, length)] if distilled is not None else []
+            for arm in arms:
+                if bar is not None:
+                    bar.set_description(f"ppl {length} {arm.name}")
+                record(ppl_row(arm, w, tick))
+        for group in groups[len(niah):]:
+            _recall_setting(group, full, kvm, distilled, a, tok, record, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    _write(out, settings, info, rows, answers)
+    print(tables(rows))
+    print(f"wrote {out / 'bench.csv'} and bench.json")
+    return 0

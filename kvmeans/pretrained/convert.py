@@ -1,0 +1,302 @@
+"""Training-free conversion of a pretrained transformers causal LM to KVM attention (docs/pretrained.md).
+
+``convert_hf(model, ...)`` converts the chosen attention layers in place and returns the same model
+object (same class: ``generate``, ``pipeline``, ``save_pretrained`` keep working); the settings are
+stored in ``config.json`` under ``kvm_conversion`` so :func:`load_converted` rebuilds the same model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from kvmeans.ops.budget import StateBudget, as_budget
+from kvmeans.ops.budget import parse_budget_spec as _parse_budget
+from kvmeans.pretrained.attention import convert_attention_layer
+from kvmeans.pretrained.board import NoveltyBoard
+from kvmeans.pretrained.op import ROPE_MODES
+from kvmeans.utils.weights import named_weight_errors
+
+CONFIG_KEY = "kvm_conversion"
+EXACT_SCOPES = ("model", "layer")
+# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
+FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
+            "gpt_neox": True, "gpt2": False}
+
+
+@dataclass(frozen=True)
+class KVMSpec:
+    """The settings of a converted model (what ``kvm_conversion`` in config.json stores).
+
+    ``budget``: state rows (``StateBudget`` or int); ``chunk_len``/``n_bswa_chunks``: the exact window
+    keeps the current and the n-1 previous chunks; ``sink_len``: leading rows never merged into;
+    ``rope_mode``: see ``kvmeans.pretrained.op``; ``rope_distance``: the relative position at which
+    ``pre_rope_fixed`` reads state rows (None: three times the window span, ``3 * n_bswa_chunks * chunk_len``,
+    measured better than 1, 2 and 4 spans on SmolLM2, docs/pretrained.md);
+    ``log_count_bias``: the ``+log(m)`` logit of a row standing for m tokens (False: ablation);
+    ``novel_rows``: at a full budget each block that leaves the window gives its most novel tokens this many
+    rows of their own, freed by merging the most similar pairs of rows (``kvmeans.pretrained.routing``);
+    ``exact_rows``: rows of the budget kept as a reserve of single tokens, the most novel ones, read exactly
+    (``kvmeans.pretrained.reserve``; 0: none); ``exact_scope``: how the reserve ranks a token, ``"model"``
+    (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
+    ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty);
+    ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
+    ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read.
+    """
+    budget: Union[StateBudget, int] = 128
+    chunk_len: int = 32                # measured on SmolLM2: C=32, n=4 beats C=64, n=2 at the same kept keys
+    n_bswa_chunks: int = 4
+    sink_len: int = 4
+    rope_mode: str = "pre_rope_fixed"
+    rope_distance: Optional[int] = None
+    log_count_bias: bool = True
+    novel_rows: int = 0
+    exact_rows: int = 0
+    exact_scope: str = "model"
+    learned: bool = False
+
+    def __post_init__(self):
+        as_budget(self.budget)
+        if self.chunk_len < 1 or self.n_bswa_chunks < 1:
+            raise ValueError(f"chunk_len and n_bswa_chunks must be >= 1, got {self.chunk_len}, {self.n_bswa_chunks}")
+        if not 0 <= self.sink_len < self.chunk_len:
+            raise ValueError(f"sink_len must be in [0, chunk_len={self.chunk_len}), got {self.sink_len}")
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
+        if self.rope_distance is not None and self.rope_distance < 0:
+            raise ValueError(f"rope_distance must be >= 0 (or None for three times the window span), got {self.rope_distance}")
+        if not 0 <= self.novel_rows <= self.chunk_len:
+            raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
+        most = self.max_exact_rows
+        if self.exact_rows < 0 or (most is not None and self.exact_rows > most):
+            raise ValueError(f"exact_rows must be in [0, budget - chunk_len = {most}] (the mean pool keeps the first "
+                             f"chunk's rows), got {self.exact_rows}; lower exact_rows or raise budget"
+                             if most is not None else f"exact_rows must be >= 0, got {self.exact_rows}")
+        if self.exact_rows and self.novel_rows:
+            raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
+        if self.exact_scope not in EXACT_SCOPES:
+            raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
+                             f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
+
+    @property
+    def max_exact_rows(self) -> Optional[int]:
+        """The most ``exact_rows`` the budget admits: its most rows less the first chunk's (None: no cap)."""
+        b = self.budget               # the most rows it ever gives (power_law: no cap)
+        cap = b if isinstance(b, int) else None if getattr(b, "kind", "power_law") == "power_law" else b.n
+        return None if cap is None else max(0, cap - self.chunk_len)
+
+    @property
+    def state_budget(self):
+        return as_budget(self.budget)
+
+    @property
+    def distance(self) -> int:
+        """Read distance of ``pre_rope_fixed``; ``split`` is the same read at distance 0."""
+        if self.rope_mode == "split":
+            return 0
+        return 3 * self.n_bswa_chunks * self.chunk_len if self.rope_distance is None else self.rope_distance
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["budget"] = dataclasses.asdict(self.budget) if isinstance(self.budget, StateBudget) else self.budget
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVMSpec":
+        d = dict(d)
+        d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
+        if isinstance(d.get("budget"), dict):
+            d["budget"] = StateBudget(**d["budget"])
+        return cls(**d)
+
+
+def _parse_layers(text: str) -> Union[str, list]:
+    if text == "all":
+        return text
+    out = []
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"layers {text!r}: use 'all', indices joined by '+' and ranges 'a-b' (e.g. 0-3+7)")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def parse_kvm_spec(text: str) -> dict:
+    """``"budget=fixed:128,chunk_len=64,n_bswa_chunks=2,sink_len=4"`` -> the keyword arguments of
+    :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields)."""
+    fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or (key not in fields and key != "layers"):
+            raise ValueError(f"--kvm item {item!r}: expected KEY=VALUE with KEY one of layers, {', '.join(fields)}")
+        if key == "layers":
+            out[key] = _parse_layers(val)
+        elif key == "budget":
+            out[key] = _parse_budget(val)
+        elif key in ("rope_mode", "exact_scope"):
+            out[key] = val
+        elif key in ("log_count_bias", "learned"):
+            if val not in ("true", "false", "1", "0"):
+                raise ValueError(f"{key} must be true or false, got {val!r}")
+            out[key] = val in ("true", "1")
+        elif key == "rope_distance" and val == "none":
+            out[key] = None
+        else:
+            if not val.isdigit():
+                raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
+            out[key] = int(val)
+    KVMSpec(**{k: v for k, v in out.items() if k != "layers"})        # validate now, with the spec's messages
+    return out
+
+
+def _attention_layers(model) -> dict:
+    """``{layer_idx: attention module}`` of the decoder's self-attention layers."""
+    found = {}
+    for name, mod in model.named_modules():
+        if (type(mod).__name__.endswith("Attention") and isinstance(getattr(mod, "layer_idx", None), int)
+                and not getattr(mod, "is_cross_attention", False)):
+            found[mod.layer_idx] = mod
+    return found
+
+
+class _RopeAt:
+    """``(distance, like) -> (cos [R], sin [R])`` from the model's own rotary embedding (one source of truth
+    for theta, partial rotary and scaling; Gemma3 picks the layer type's RoPE). An object, not a closure, so
+    ``copy.deepcopy(model)`` points the copy at its own rotary module."""
+
+    def __init__(self, model, module):
+        self.rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+        params = inspect.signature(self.rotary.forward).parameters
+        self.extra = {"layer_type": module.layer_type} if "layer_type" in params else {}
+
+    def __call__(self, distance: int, like: torch.Tensor):
+        x = torch.empty(0, device=like.device, dtype=torch.float32)
+        cos, sin = self.rotary(x, torch.tensor([[distance]], device=like.device), **self.extra)
+        return cos[0, 0], sin[0, 0]
+
+
+def _pass_padding(model, args, kwargs):
+    """Forward pre-hook: hand the converted layers the 2D padding mask (``kvmeans.pretrained.batch``: each row
+    runs on its real tokens only); None when there is no padding."""
+    mask = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError("a KVM-converted model takes a 2D attention_mask (1 = token, 0 = pad), got a "
+                         f"{mask.dim()}D one; custom 4D masks are not supported")
+    if mask is not None and bool(mask.all()):
+        mask = None
+    for module in model.modules():
+        if getattr(module, "kvm_spec", None) is not None:
+            module._kvm_mask = mask
+
+
+def _drop_padding(model, args, output):
+    for module in model.modules():
+        module.__dict__.pop("_kvm_mask", None)
+
+
+def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
+    """Give ``model`` (a transformers causal LM of a family in ``FAMILIES``) training-free KVM attention in
+    ``layers`` ("all": every global-attention layer; sliding-window layers of Gemma2/3 keep their window).
+    ``settings`` are :class:`KVMSpec` fields; ``rope_mode`` defaults to ``pre_rope_fixed`` with RoPE and
+    ``none`` without. Converts in place and returns ``model``."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    family = cfg.model_type
+    if family not in FAMILIES:
+        raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}")
+    has_rope = FAMILIES[family]
+    settings.setdefault("rope_mode", "pre_rope_fixed" if has_rope else "none")
+    if not has_rope and settings["rope_mode"] != "none":
+        raise ValueError(f"{family} has no RoPE (learned absolute positions): use rope_mode='none'")
+    if has_rope and settings["rope_mode"] == "none":
+        raise ValueError(f"{family} rotates q/k: rope_mode='none' would mix rotated keys unknowingly; "
+                         "use pre_rope_fixed, post_rope or split")
+    spec = KVMSpec(**settings)
+    if spec.rope_mode == "pre_rope_fixed" and spec.rope_distance is None:
+        # stored resolved, so a saved model reloads at the distance it was converted (or distilled) with
+        spec = dataclasses.replace(spec, rope_distance=spec.distance)
+    if spec.rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
+        raise ValueError(f"rope_mode={spec.rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
+                         "by the sequence length) does not have; use rope_mode='post_rope'")
+    attn = _attention_layers(model)
+    kinds = getattr(cfg, "layer_types", None)
+    is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}
+    chosen = [i for i in sorted(attn) if is_global[i]] if layers == "all" else sorted(set(layers))
+    for i in chosen:
+        if i not in attn:
+            raise ValueError(f"layers: {i} is not an attention layer index (0..{len(attn) - 1})")
+        if not is_global[i]:
+            raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
+    board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
+    for pos, i in enumerate(chosen):
+        convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
+    if not getattr(model, "_kvm_padding_hook", False):
+        model.register_forward_pre_hook(_pass_padding, with_kwargs=True)
+        model.register_forward_hook(_drop_padding, always_call=True)
+        model._kvm_padding_hook = True
+    model.config.kvm_conversion = {"layers": chosen, **spec.to_dict()}
+    return model
+
+
+def load_converted(path, **from_pretrained_kwargs):
+    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings (and, for
+    ``learned=True``, its learned KVM parameters from the folder's safetensors files)."""
+    with named_weight_errors(path):
+        model = _from_pretrained_quiet_on_kvm_keys(path, **from_pretrained_kwargs)
+    settings = getattr(model.config, CONFIG_KEY, None)
+    if not settings:
+        raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "
+                         "load it with from_pretrained and call kvmeans.convert_hf")
+    settings = dict(settings)
+    layers = settings.pop("layers")
+    model = convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
+    if settings.get("learned"):
+        _load_learned(model, Path(path))
+    return model
+
+
+def _from_pretrained_quiet_on_kvm_keys(path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` whose load report leaves out the learned ``kvm_*`` weights (the
+    plain class has no such parameters; :func:`_load_learned` loads them): any other unexpected, missing or
+    mismatched key is still reported."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    log = hf_logging.get_logger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        log.setLevel(level)
+    issues = {kind: sorted(k for k in info.get(kind) or () if ".kvm_" not in str(k))
+              for kind in ("unexpected_keys", "missing_keys", "mismatched_keys")}
+    if any(issues.values()):
+        log.warning(f"loading {path}: " + "; ".join(f"{kind} {keys}" for kind, keys in issues.items() if keys))
+    return model
+
+
+def _load_learned(model, path: Path) -> None:
+    """Copy the ``kvm_*`` parameters saved in ``path/*.safetensors`` into ``model`` (from_pretrained skips
+    them: the plain class has no such parameters)."""
+    from safetensors import safe_open
+
+    want = {n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("kvm_")}
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys() if k in want})
+    missing = sorted(set(want) - set(found))
+    if missing:
+        raise ValueError(f"{path}: config.json says learned=true but the weights lack {len(missing)} learned KVM "
+                         f"parameters (e.g. {missing[0]}); save the model again with save_pretrained")
+    with torch.no_grad():
+        for name, value in found.items():
+            want[name].copy_(value)

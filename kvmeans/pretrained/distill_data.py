@@ -1,0 +1,44 @@
+"""Distillation data: long-text sequences for training, with the perplexity eval's windows held out.
+
+``kvmeans eval ppl`` draws its windows with :func:`kvmeans.pretrained.ppl.text_windows` (``n`` aligned
+slots of ``length`` tokens, chosen by ``seed``). Distillation trains only on the documents that hold none of
+those windows, so the same eval measures text the student never saw (whole documents are held out, not just
+the windows, so no neighbouring context leaks either).
+"""
+from __future__ import annotations
+
+import random
+from typing import List, Sequence, Tuple, Union
+
+import torch
+
+from kvmeans.pretrained.ppl import documents
+
+__all__ = ["heldout_documents", "training_sequences"]
+
+Source = Union[str, Sequence[str]]
+
+
+def heldout_documents(token_docs: List[List[int]], n: int, length: int, seed: int) -> List[int]:
+    """Indices of the documents holding the ``n`` eval windows of ``length`` tokens that ``text_windows(...,
+    n, length, seed)`` draws from these tokenized documents (the same slots and the same RNG draw)."""
+    slots = [(i, s) for i, ids in enumerate(token_docs) for s in range(0, len(ids) - length + 1, length)]
+    if len(slots) < n:
+        raise ValueError(f"the data holds {len(slots)} windows of {length} tokens, fewer than the {n} held out; "
+                         "lower --holdout-windows or --holdout-length, or add text")
+    return sorted({i for i, _ in random.Random(seed).sample(slots, n)})
+
+
+def training_sequences(tokenizer, source: Source, seq_len: int, holdout: Tuple[int, int, int]) -> Tuple[torch.Tensor,
+                                                                                                         List[int]]:
+    """``([N, seq_len] token ids, held-out document indices)``: aligned non-overlapping slots of the documents
+    of ``source`` (``"shakespeare"`` or text files, tokenized without special tokens) outside the held-out
+    ones; ``holdout = (n, length, seed)`` of the eval windows (``n = 0``: hold nothing out)."""
+    docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents(source)]
+    n, length, seed = holdout
+    held = heldout_documents(docs, n, length, seed) if n > 0 else []
+    seqs = [ids[s:s + seq_len] for i, ids in enumerate(docs) if i not in held
+            for s in range(0, len(ids) - seq_len + 1, seq_len)]
+    if not seqs:
+        raise ValueError(f"no document outside the held-out ones has {seq_len} tokens; lower --seq-len or add text")
+    return torch.tensor(seqs, dtype=torch.long), held
