@@ -52,7 +52,7 @@ def test_registry_covers_four_kinds_with_pinned_versions():
 def test_extra_pins_every_package():
     tomllib = pytest.importorskip("tomllib")
     from pathlib import Path
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     extra = pyproject["project"]["optional-dependencies"]["corpora"]
     pins = {r.split(";")[0].strip() for r in extra}
     assert pins == {c.requirement for c in C.CORPORA.values()}
