@@ -31,10 +31,9 @@ from torch import Tensor
 from kvmeans.ops.budget import is_data_dependent
 from kvmeans.ops.chunk_reconstruct import GroupPlan, reconstruct_attention
 from kvmeans.ops.masking import finite_tokens, poison, window_poison
-from kvmeans.ops.recurrent import _readout_cached, absorb, own_buffers
 from kvmeans.ops.routing import memory_keys, readout, token_streams
 from kvmeans.ops.schedule import bswa_begin, coverage_after, plan_updates
-from kvmeans.ops.state import KVMState
+from kvmeans.ops.state import KVMState, absorb, own_buffers, readout_cached
 
 GROUP_BYTES = 256 << 20        # working set of one group's attention call (CPU; a GPU's is sized by its memory)
 RECONSTRUCT_BYTES = 1 << 30    # "auto" backward: reconstruct the state when a graph would keep more than this
@@ -238,7 +237,7 @@ def _prefill_no_grad(q, kk, vv, gg, state: KVMState, *, budget, ln, state_temp, 
             m = 0
             if c >= n:      # bring the state to what chunk c sees, then read it out once
                 absorb(state, kk, vv, gg, w0, (c + 1) * C, budget, ln, *gates, attn=attn)
-                k_hat, v_hat, bad_rows = finite_tokens(*_readout_cached(state, ln))
+                k_hat, v_hat, bad_rows = finite_tokens(*readout_cached(state, ln))
                 if bad_rows is not None:
                     stale = q.new_zeros(B, G, Hkv, dtype=torch.bool) if stale is None else stale
                     stale[:, g] = bad_rows.any(-1)
@@ -635,7 +634,7 @@ def _scatter_tokens(base: Tensor, dest: Tensor, contrib: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _route(state, kk, vv, gg, budget, ln, t1, gate_keys, gate_values, gate_appends, attn="torch") -> _Routes:
-    """Run the state recurrence once without gradients (the recurrent path's :func:`absorb` on a
+    """Run the state recurrence once without gradients (:func:`kvmeans.ops.state.absorb` on a
     detached copy; ``attn="triton"``: its routing / scatter kernels); record where each token went.
 
     ``kk, vv, gg`` hold the raw tokens entering the state, ``[state.coverage, coverage_after(t1))``."""

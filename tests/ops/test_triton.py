@@ -282,7 +282,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
     """Token-by-token decode with backend="triton": outputs equal naive (fp32 tolerance) and the final state
     rows equal the torch recurrent path's bit for bit (same routes, same fp32 sums); the torch routing is
     never called, the update kernels are (once per boundary)."""
-    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.state as state_mod
     import kvmeans.ops.triton.update as upd_mod
     T, C = case[0], case[1]
     inputs = inputs_for(T, case[5], case[6])
@@ -301,7 +301,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
         raise AssertionError("torch route_overflow called on the triton decode path")
     monkeypatch.setattr(upd_mod, "route_overflow_triton", counted("route", upd_mod.route_overflow_triton))
     monkeypatch.setattr(upd_mod, "scatter_add_rows", counted("scatter", upd_mod.scatter_add_rows))
-    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    monkeypatch.setattr(state_mod, "route_overflow", torch_routing)
     y_tri, s_tri = decode_token_by_token("triton", inputs, case)
 
     updates = (s_ref.coverage - C) // C
@@ -321,7 +321,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
 def test_chunked_triton_routes_with_the_update_kernels(grad, monkeypatch):
     """Prefill / training with backend="triton": the routing pass (grad) and the in-place prefill (no grad)
     run the Triton routing / scatter kernels, never the torch routing; results equal naive."""
-    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.state as state_mod
     import kvmeans.ops.triton.update as upd_mod
     case = DECODE_CASES[1]
     ref = outputs_and_grads("naive", case, grad=grad)
@@ -331,7 +331,7 @@ def test_chunked_triton_routes_with_the_update_kernels(grad, monkeypatch):
 
     def torch_routing(*a, **k):
         raise AssertionError("torch route_overflow called on the triton chunked path")
-    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    monkeypatch.setattr(state_mod, "route_overflow", torch_routing)
     out = outputs_and_grads("triton", case, grad=grad)
     assert len(calls) == (ref[1].coverage - case[1]) // case[1] >= 4
     compare(ref, out)

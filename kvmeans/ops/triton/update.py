@@ -15,7 +15,7 @@
   path: bf16 rounding can flip near-tie routes, so kernels are compared with routes pinned to the
   reference and the agreement is reported on its own.
 
-Used by the recurrent path under ``attn="triton"`` (``kvmeans.ops.recurrent._update``: decode and short
+Used by the recurrent path under ``attn="triton"`` (``kvmeans.ops.state.absorb``: decode and short
 continuations, fp32 state): routes equal the torch routing's, and in the interpreter (sequential atomics, in
 token order like ``scatter_add_``) the rows are bit-identical; on a GPU the atomic order is not fixed, so the
 sums agree to rounding. The chunked path (and its no-grad prefill) still routes with
