@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import kvmeans.ops.chunk as chunk_mod  # noqa: E402
 from kvmeans import StateBudget, kvm_attention  # noqa: E402
+from kvmeans.ops.chunk import plan as plan_mod  # noqa: E402
 from kvmeans.ops.triton import attention as tri_attn  # noqa: E402
 from kvmeans.ops.triton import available, unavailable_reason  # noqa: E402
 from kvmeans.ops.triton.attention import chunk_attention  # noqa: E402
@@ -188,9 +189,9 @@ def test_many_groups_both_backwards(backward, monkeypatch):
     monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)
     launches, groups = [], []
-    real_fwd, real_groups = tri_attn._fwd, chunk_mod._groups
+    real_fwd, real_groups = tri_attn._fwd, plan_mod.groups
     monkeypatch.setattr(tri_attn, "_fwd", lambda *a: launches.append(1) or real_fwd(*a))
-    monkeypatch.setattr(chunk_mod, "_groups", lambda *a: groups.append(len(real_groups(*a))) or real_groups(*a))
+    monkeypatch.setattr(plan_mod, "groups", lambda *a: groups.append(len(real_groups(*a))) or real_groups(*a))
     compare(ref, outputs_and_grads("triton", case))
     assert len(launches) == groups[0] >= 3              # one forward launch per group; backward re-runs none
     compare((ref[0], ref[1], {}), outputs_and_grads("triton", case, grad=False))
@@ -522,7 +523,7 @@ def test_scatter_add_rows_accumulates_in_float32():
 
 
 def test_route_agreement_measures_flips():
-    from kvmeans.ops.triton.update import route_agreement
+    from kvmeans.ops.chunk.route import route_agreement
     x = make_inputs(T=70, D=16, dtype=torch.float32)
     cfg = dict(chunk_len=8, n_bswa_chunks=2, sink_len=1, rope_dim=4, budget=StateBudget.fixed(12))
     same = route_agreement(x["k"], x["v"], x["gate"], x["k"], x["v"], x["gate"], **cfg)

@@ -9,7 +9,7 @@ Query chunk ``c`` (positions ``[c*C, (c+1)*C)``) attends to
   (key position <= query position), scores scaled by ``bswa_temp[h] * scale``;
 
 with one online softmax (fp32 running max / sum, base-2 exponentials). This is exactly what
-``chunk._group_mask`` / ``chunk._group_sdpa`` compute, without materialising the window per chunk
+``chunk.plan.group_mask`` / ``chunk.attend.group_sdpa`` compute, without materialising the window per chunk
 (window keys are indexed by position in one ``[B, Hkv, N, D]`` tensor), without repeating keys per
 query head (GQA: the ``REP = H / Hkv`` query heads of a kv head are stacked as the rows of one tile,
 so every key/value tile is loaded once per kv head), and without scaling keys by the temperatures
@@ -376,7 +376,7 @@ class ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, sk, sv, wk, wv, state_temp, bswa_temp, rows, geo, saved=None):
-        # saved: (o, base-2 lse) of an earlier identical forward (the backward of kvmeans.ops.chunk_reconstruct
+        # saved: (o, base-2 lse) of an earlier identical forward (the backward of kvmeans.ops.chunk.reconstruct
         # differentiates a group again without re-running the kernel)
         o, lse = _fwd(q, sk, sv, rows, wk, wv, state_temp, bswa_temp, geo) if saved is None else \
             (saved[0].detach(), saved[1])
