@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvmeans import kvm_attention  # noqa: E402
-from kvmeans.ops import kvm as kvm_mod  # noqa: E402
+from kvmeans.ops import backends  # noqa: E402
 from kvmeans.ops.triton import available  # noqa: E402
 from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs  # noqa: E402
 
@@ -26,20 +26,20 @@ CUDA = torch.device("cuda", 0)
 @pytest.fixture
 def selfcheck(monkeypatch):
     """The self-check module with an empty cache, run on this machine's device (the interpreter on CPU) when
-    ``_kernels`` asks about a CUDA device; ``calls`` counts the runs."""
+    ``backends.kernels`` asks about a CUDA device; ``calls`` counts the runs."""
     import kvmeans.ops.triton as tri
     from kvmeans.ops.triton import selfcheck as sc
     monkeypatch.setattr(sc, "_verdicts", {})
     monkeypatch.setattr(tri, "unavailable_reason", lambda device, dtype=None: None)
     real, calls = sc.run_selfcheck, []
-    monkeypatch.setattr(sc, "run_selfcheck", lambda device, dtype, numerics: calls.append((device, dtype, numerics))
-                        or real(DEV, dtype, numerics))
+    monkeypatch.setattr(sc, "run_selfcheck", lambda device, dtype, numerics, op: calls.append((device, dtype, numerics))
+                        or real(DEV, dtype, numerics, op))
     sc.calls = calls
     return sc
 
 
 def _auto(dtype=torch.float32, numerics="exact"):
-    return kvm_mod._kernels("auto", CUDA, dtype, torch.float32, numerics)[0]
+    return backends.kernels("auto", CUDA, dtype, torch.float32, numerics, kvm_attention)[0]
 
 
 @needs_triton
@@ -66,7 +66,8 @@ def test_selfcheck_compile_error_falls_back_and_warns_once(selfcheck, monkeypatc
         warnings.simplefilter("error")                                   # no second warning, no second run
         assert _auto() == "torch"
     assert len(selfcheck.calls) == 1
-    assert kvm_mod._kernels("triton", DEV, torch.float32, torch.float32, "exact")[0] == "triton"   # still forced
+    # still forced
+    assert backends.kernels("triton", DEV, torch.float32, torch.float32, "exact", kvm_attention)[0] == "triton"
 
 
 @needs_triton
