@@ -83,7 +83,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     if initial_state is None:
         state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=q.device, **geometry)
         if numerics == "reference":
-            state.radii = state.radii.float()   # radii stay fp32 (reference-semantics 10)
+            state.radii = state.radii.float()   # radii stay fp32 (docs/reference-conventions.md §10)
     else:
         check_initial_state(initial_state, compute=compute, numerics=numerics, batch=B, kv_heads=Hkv, head_dim=D,
                             value_dim=Dv, device=q.device, **geometry)

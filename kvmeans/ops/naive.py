@@ -2,7 +2,7 @@
 
 Every fast path is tested against this file. It follows the paper's Method section and
 Algorithm 1 (pseudocode appendix), with the conventions of the authors' eager reference
-(shared/notes/reference-semantics.md, sections 1 and 11). Slow on purpose.
+(docs/reference-conventions.md §1 and §11). Slow on purpose.
 """
 from __future__ import annotations
 

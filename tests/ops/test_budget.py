@@ -1,4 +1,4 @@
-"""Budgets and the positional schedule (reference-semantics 1.4 table)."""
+"""Budgets and the positional schedule (docs/reference-conventions.md §1.4, the table)."""
 import pytest
 
 from kvmeans import StateBudget

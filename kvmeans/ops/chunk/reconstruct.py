@@ -4,7 +4,7 @@ The forward attends each group of query chunks exactly as :mod:`kvmeans.ops.chun
 autograd graph. It saves the final state sums and, for every token that entered the state, a *stash*:
 the value its destination row had in the state before the token's group (tokens of one group all read
 the group's base state, so tokens sharing a row stash equal values). The backward walks the groups in
-reverse (reference-semantics 3.4, "reconstruct live state"):
+reverse (docs/reference-conventions.md §3.4, "reconstruct the live state"):
 
 1. restoring the stash of a group's tokens turns the state after the group into the state before it,
    bit for bit (a scatter of copied values, no subtraction);
