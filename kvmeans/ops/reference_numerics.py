@@ -78,7 +78,9 @@ def reference_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state
     while pos < t0 + T:
         e = min(t0 + T, (pos // C + 1) * C)   # queries [pos, e) lie in one chunk
         new = slice(pos - t0, e - t0)
-        wk, wv, wg = torch.cat([wk, k[:, :, new]], 2), torch.cat([wv, v[:, :, new]], 2), torch.cat([wg, gate[:, :, new]], 2)
+        wk = torch.cat([wk, k[:, :, new]], 2)
+        wv = torch.cat([wv, v[:, :, new]], 2)
+        wg = torch.cat([wg, gate[:, :, new]], 2)
 
         if cov < min(e, C):                   # initial state: prepared keys, raw values, fp32 radii
             idx = slice(cov - w_start, min(e, C) - w_start)

@@ -135,12 +135,14 @@ def test_buffers_follow_the_tokens_not_the_settings(settings, mode, monkeypatch)
 # ---- a non-finite token never reaches earlier outputs --------------------------------------------------------
 PATHS = [("naive", {}), ("chunked", {}), ("chunked", dict(grad="graph")), ("chunked", dict(grad="reconstruct")),
          ("recurrent", {}),
-         pytest.param("triton", {}, marks=needs_triton), pytest.param("triton", dict(grad="reconstruct"), marks=needs_triton),
+         pytest.param("triton", {}, marks=needs_triton),
+         pytest.param("triton", dict(grad="reconstruct"), marks=needs_triton),
          pytest.param("triton", dict(split=9), marks=needs_triton)]
 
 
 @pytest.mark.parametrize("where", ["k", "v", "gate"])
-@pytest.mark.parametrize("backend,how", PATHS, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
+@pytest.mark.parametrize("backend,how", PATHS,
+                         ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
 def test_nan_token_does_not_reach_earlier_outputs(backend, how, where, monkeypatch):
     """A NaN at position 13 (C=4, n=2: it is in the window of queries 13-15, then in the state): outputs before it
     equal those of clean inputs, outputs that see it are NaN. ``split``: a prefill, then multi-token steps."""
@@ -166,7 +168,8 @@ def test_nan_token_does_not_reach_earlier_outputs(backend, how, where, monkeypat
     clean, y = run(*tokens), run(*bad)
     first_bad = 13 if where in ("k", "v") else 16       # a gate acts once its token is merged (at position 16)
     assert torch.isfinite(y[:, :, :first_bad]).all()
-    assert_close("outputs before the NaN token", clean[:, :, :first_bad], y[:, :, :first_bad], TOLERANCES[torch.float32])
+    assert_close("outputs before the NaN token", clean[:, :, :first_bad], y[:, :, :first_bad],
+                 TOLERANCES[torch.float32])
     assert torch.isfinite(y[0]).all()                   # the other sequence of the batch
     if where != "gate":
         assert torch.isnan(y[1, :, first_bad:]).any(-1).all()

@@ -289,9 +289,11 @@ def test_bad_numerics_values_raise():
     with pytest.raises(ValueError, match=r"numerics must be one of \('exact', 'mixed', 'reference'\).*got 'fast'"):
         kvm_attention(q, k, v, gate, **GEOM, numerics="fast")
     from kvmeans.layers import KVMAttentionConfig
-    with pytest.raises(ValueError, match=r"KVMAttentionConfig.numerics: must be one of \('exact', 'mixed', 'reference'\), got 'bf16'"):
+    with pytest.raises(ValueError, match=r"KVMAttentionConfig.numerics: must be one of "
+                                         r"\('exact', 'mixed', 'reference'\), got 'bf16'"):
         KVMAttentionConfig(hidden_size=16, num_heads=2, numerics="bf16")
-    with pytest.raises(ValueError, match=r"KVMModelConfig.kvm_numerics: must be one of \('exact', 'mixed', 'reference'\)"):
+    with pytest.raises(ValueError,
+                       match=r"KVMModelConfig.kvm_numerics: must be one of \('exact', 'mixed', 'reference'\)"):
         KVMModelConfig(kvm_numerics="Reference")
 
 

@@ -206,7 +206,8 @@ def test_mixed_numerics_runs_half_precision_dots(grad, monkeypatch):
     T, H, Hkv = case[0], case[5], case[6]
     seen = []
     real_fwd = tri_attn._fwd
-    monkeypatch.setattr(tri_attn, "_fwd", lambda q, sk, sv, *a: seen.append((q.dtype, getattr(sk, "dtype", q.dtype))) or real_fwd(q, sk, sv, *a))
+    monkeypatch.setattr(tri_attn, "_fwd", lambda q, sk, sv, *a: seen.append((q.dtype, getattr(sk, "dtype", q.dtype)))
+                        or real_fwd(q, sk, sv, *a))
     res = []
     for backend in ("chunked", "triton"):
         x = inputs_for(T, H, Hkv, dtype=torch.float16, requires_grad=grad)

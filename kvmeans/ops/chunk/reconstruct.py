@@ -127,8 +127,9 @@ class _Reconstruct(torch.autograd.Function):
                 (qa, qb), (wa, wb) = plan.q_spans[i], plan.w_spans[i]
                 kept = (y[:, :, qa:qb], lses[i]) if plan.kernel_saves else None
                 with torch.enable_grad():
-                    leaves = [t.detach().requires_grad_() for t in
-                              (q[:, :, qa:qb], kk[:, :, wa:wb], vv[:, :, wa:wb], *live, *(s[:, :, lo:hi] for s in streams))]
+                    spans = (q[:, :, qa:qb], kk[:, :, wa:wb], vv[:, :, wa:wb], *live,
+                             *(s[:, :, lo:hi] for s in streams))
+                    leaves = [t.detach().requires_grad_() for t in spans]
                     par = [None if t is None else t.detach().requires_grad_() for t in params]
                     o = plan.attend(i, *leaves[:3], leaves[3:6], leaves[6:9], dest, plan.arrival[lo:hi], par,
                                     saved=kept)
