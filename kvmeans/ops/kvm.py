@@ -80,14 +80,7 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
     ln_b = check_vec(state_norm_bias, "state_norm_bias", D, q, None)
     geometry = dict(chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim,
                     value_radius=value_radius)
-    if initial_state is None:
-        state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=q.device, **geometry)
-        if numerics == "reference":
-            state.radii = state.radii.float()   # radii stay fp32 (docs/reference-conventions.md §10)
-    else:
-        check_initial_state(initial_state, compute=compute, numerics=numerics, batch=B, kv_heads=Hkv, head_dim=D,
-                            value_dim=Dv, device=q.device, **geometry)
-        state = initial_state
+    state = _starting_state(initial_state, q.device, compute, numerics, (B, Hkv, D, Dv), geometry)
     check_budget_against_state(budget, state, chunk_len)
     if T == 0:
         y = q.new_zeros(B, H, 0, Dv)
@@ -111,3 +104,17 @@ def kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Optional[Tensor] = None
         new_state = initial_state
     y = cast(y, q.dtype)
     return (y, new_state) if return_state else y
+
+
+def _starting_state(initial_state, device, compute, numerics, sizes, geometry) -> KVMState:
+    """The state the call continues: ``initial_state`` once checked, else an empty one of ``sizes = (B, Hkv, D,
+    Dv)`` computing in ``compute``."""
+    B, Hkv, D, Dv = sizes
+    if initial_state is not None:
+        check_initial_state(initial_state, compute=compute, numerics=numerics, batch=B, kv_heads=Hkv, head_dim=D,
+                            value_dim=Dv, device=device, **geometry)
+        return initial_state
+    state = KVMState.empty(B, Hkv, D, Dv, dtype=compute, device=device, **geometry)
+    if numerics == "reference":
+        state.radii = state.radii.float()   # radii stay fp32 (docs/reference-conventions.md §10)
+    return state

@@ -72,32 +72,18 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     # tokens entering the state in this call: [cov0, cov1), a contiguous range
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
-    kbar = memory_keys(kk[:, :, enter], state.rope_dim, *ln)
     routes = route.record(state, kk[:, :, enter].detach(), vv[:, :, enter].detach(), gg[:, :, enter].detach(),
                           budget, ln, t1, gate_keys, gate_values, gate_appends, attn)
-    dk, dv, rad = token_streams(kbar, vv[:, :, enter], gg[:, :, enter], routes.ungated, gate_keys=gate_keys,
-                                gate_values=gate_values, gate_appends=False)
-    dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
-    streams = (dk, dv, dr)
+    streams = _streams(state, kk[:, :, enter], vv[:, :, enter], gg[:, :, enter], routes, ln, gate_keys, gate_values)
     base = [route.pad_rows(t, routes.num_rows) for t in state.rows()]       # sums of tokens arrived before the call
-
-    c_first, c_last = t0 // C, (t1 - 1) // C
-    per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
-    if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
-        per_row = 4 * q.shape[0] * kk.shape[1] * (q.shape[3] + v.shape[3]) * q.element_size()
-    # the reconstruction backward's joined read: like chunks together (rows hidden per (b, h): never joined)
-    joins = attn != "triton" and flash.saves(q, v) and routes.counts is None
-    kind = (lambda c: (routes.rows_at[c] > 0, plan.whole_window(c, C, n, w0))) if joins else None
-    groups = plan.groups(c_first, c_last, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn, kind)
+    groups, joins = _groups(q, v, kk.shape[1], routes, attn, group_bytes, C, n, t0, t1, w0)
     backward = BACKWARD if backward is None else backward
     if backward == "auto":
         backward = _auto_backward(groups, routes.rows_at, q, v, joins, attn, C, n, t0, t1, w0)
     geo = dict(C=C, n=n, t0=t0, t1=t1, w0=w0, scale=scale, value_radius=state.value_radius, rows_at=routes.rows_at,
                ln_eps=state_norm_eps, attn=attn, counts=routes.counts)
     arrival = torch.arange(cov0, cov1, device=q.device) // C + n    # first query chunk that sees each entering token
-    bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()),
-                                                                      arrival.numel()]
-    cuts = [hi - lo for lo, hi in zip(bounds, bounds[1:])]            # before the groups, each group, after them
+    cuts = _cuts(arrival, groups, (t1 - 1) // C)
     params = (state_temp, bswa_temp, state_norm_weight, state_norm_bias)
     ka, va, bad = finite_tokens(kk, vv)         # attention operands: masked tokens must contribute exactly zero
     qa, ka, va = (x.to(mma_dtype) for x in (q, ka, va)) if mma_dtype else (q, ka, va)
@@ -107,21 +93,18 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
                                w_spans=[(max(w0, (ca + 1 - n) * C) - w0, min(cb * C, t1) - w0) for ca, cb in groups],
                                attend=attend.span_attend(groups, geo), kernel_saves=attn == "triton" or
                                flash.saves(q, v))
-        y, keys, values, radii = reconstruct_attention(group_plan, qa, ka, va, streams, base, params)
+        y, *sums = reconstruct_attention(group_plan, qa, ka, va, streams, base, params)
     elif backward == "graph":
         y = _graph_groups(groups, cuts, routes, arrival, qa, ka, va, streams, base, params, geo)
-        keys, values, radii = (route.scatter_tokens(route.pad_rows(b, routes.num_rows), routes.dest, s)
-                               for b, s in zip(state.rows(), streams))
+        sums = [route.scatter_tokens(route.pad_rows(b, routes.num_rows), routes.dest, s)
+                for b, s in zip(state.rows(), streams)]
     else:
         raise ValueError(f"backward must be 'auto', 'graph' or 'reconstruct', got {backward!r}")
     y = poison(y, window_poison(bad, w0, t0, t1, C, n))
-
     ws = bswa_begin(t1, C, n) - w0
-    out_state = KVMState(keys, values, radii, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=routes.num_rows,
-                         seen_tokens=t1, coverage=cov1, chunk_len=C, n_bswa_chunks=n,
-                         sink_len=state.sink_len, rope_dim=state.rope_dim, value_radius=state.value_radius,
-                         extras=state.extras, row_count=routes.row_count)
-    return y, out_state
+    return y, KVMState(*sums, kk[:, :, ws:], vv[:, :, ws:], gg[:, :, ws:], num_rows=routes.num_rows, seen_tokens=t1,
+                       coverage=cov1, chunk_len=C, n_bswa_chunks=n, sink_len=state.sink_len, rope_dim=state.rope_dim,
+                       value_radius=state.value_radius, extras=state.extras, row_count=routes.row_count)
 
 
 def default_group_bytes(device: torch.device) -> int:
@@ -139,6 +122,37 @@ def _window_and_new(state: KVMState, k, v, gate):
         return k, v, gate
     wk, wv, wg = state.window()
     return torch.cat([wk, k], 2), torch.cat([wv, v], 2), torch.cat([wg, gate], 2)
+
+
+def _streams(state: KVMState, kk, vv, gg, routes, ln, gate_keys, gate_values):
+    """``(dk, dv, dr)``: what each entering token (``kk, vv, gg`` raw, in order) adds to its row's key, value and
+    radius sums, differentiably (the radius only where the token creates its row; the ablation counts tokens)."""
+    kbar = memory_keys(kk, state.rope_dim, *ln)
+    dk, dv, rad = token_streams(kbar, vv, gg, routes.ungated, gate_keys=gate_keys, gate_values=gate_values,
+                                gate_appends=False)
+    dr = torch.where(routes.created, rad, 0) if state.value_radius else torch.ones_like(rad)
+    return dk, dv, dr
+
+
+def _groups(q, v, kv_heads, routes, attn, group_bytes, C, n, t0, t1, w0):
+    """``(groups, joins)``: the query-chunk groups of the call (:func:`kvmeans.ops.chunk.plan.groups`) and whether
+    the reconstruction backward may read them joined (then like chunks are grouped together)."""
+    per_row = q.shape[0] * q.shape[1] * (C + q.shape[3] + v.shape[3]) * q.element_size()
+    if attn == "triton":    # per chunk only its snapshot rows (sums + readout, ~4 copies per kv head), no window
+        per_row = 4 * q.shape[0] * kv_heads * (q.shape[3] + v.shape[3]) * q.element_size()
+    # the reconstruction backward's joined read: like chunks together (rows hidden per (b, h): never joined)
+    joins = attn != "triton" and flash.saves(q, v) and routes.counts is None
+    kind = (lambda c: (routes.rows_at[c] > 0, plan.whole_window(c, C, n, w0))) if joins else None
+    return plan.groups(t0 // C, (t1 - 1) // C, routes.rows_at, per_row, group_bytes, C, n, t0, t1, w0, attn,
+                       kind), joins
+
+
+def _cuts(arrival, groups, c_last):
+    """Entering tokens (by ``arrival``, the first query chunk that sees each) before the first group, in each group
+    and after the last."""
+    bounds = [0] + [int((arrival < ca).sum()) for ca, _ in groups] + [int((arrival < c_last + 1).sum()),
+                                                                      arrival.numel()]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _auto_backward(groups, rows_at, q, v, joins, attn, C, n, t0, t1, w0) -> str:
