@@ -209,7 +209,11 @@ class _RopeAt:
 
 
 def _converted(model):
-    return [m for m in model.modules() if getattr(m, "kvm_spec", None) is not None]
+    """The converted attention modules (listed once: walking every module per forward costs milliseconds)."""
+    found = model.__dict__.get("_kvm_modules")
+    if found is None:
+        found = model._kvm_modules = [m for m in model.modules() if getattr(m, "kvm_spec", None) is not None]
+    return found
 
 
 def _set_inputs(model, named: dict, cache) -> None:
@@ -362,15 +366,19 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
     board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
     for pos, i in enumerate(chosen):
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
+    model.__dict__.pop("_kvm_modules", None)
     compact = all(i in chosen for i in attn if is_global[i])     # no plain full-attention layer reads the mask
     for i in chosen:
         attn[i].kvm_compact_mask = compact
     if not getattr(model, "_kvm_forward", False):
         if "forward" in model.__dict__:          # e.g. accelerate's device hooks: keep them inside ours
             model._kvm_inner_forward = model.__dict__["forward"]
-        sig = inspect.signature(type(model).forward)                  # without self
-        model._kvm_signature = sig.replace(parameters=list(sig.parameters.values())[1:])
-        model.forward = types.MethodType(_forward, model)
+        sig = inspect.signature(type(model).forward)
+        model._kvm_signature = sig.replace(parameters=list(sig.parameters.values())[1:])     # without self
+        # generate reads forward's parameters (logits_to_keep, attention_mask, ...): ours shows the model's
+        forward = types.FunctionType(_forward.__code__, _forward.__globals__, "forward")
+        forward.__signature__, forward.__doc__ = sig, _forward.__doc__
+        model.forward = types.MethodType(forward, model)
         if hasattr(type(model), "_prepare_cache_for_generation"):
             model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
         model._kvm_forward = True

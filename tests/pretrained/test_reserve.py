@@ -212,7 +212,7 @@ def assert_crop_replays(model):
 def test_learned_read_out_gates_the_reserved_tokens():
     """With learned=True a slot holds g*k, g*v and count g: perturbed read-out parameters still decode like one
     forward, and gradients reach the merge gate."""
-    from test_distill import perturb
+    from tests.pretrained.test_distill import perturb
     model = convert_hf(tiny("llama"), learned=True, **RESERVE)
     perturb(model)
     x = ids(100)
