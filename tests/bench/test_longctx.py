@@ -122,6 +122,28 @@ def test_random_weights_from_a_config(tiny_dir, tmp_path, monkeypatch):
     assert r["prefill_tok_s"] == pytest.approx(2 * 40 / r["ttft_s"])
 
 
+@torch.no_grad()
+def test_streaming_arm_equals_one_masked_call_and_decodes_on(tiny_dir):
+    """Segments of 24 tokens with eviction == one call under StreamingLLM's mask over everything (no eviction);
+    with a window longer than the prompt == full attention; decode steps continue alike."""
+    from transformers import AutoModelForCausalLM
+
+    from kvmeans.pretrained.bench import streaming_mask
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    ids = torch.randint(0, 512, (2, 101), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(101)
+    for sinks, window in [(2, 30), (0, 17), (4, 1000)]:
+        run = longctx._runner(model, {"kind": "streaming", "sinks": sinks, "window": window})
+        got = run.prefill(ids[:, :100], 24)
+        got_next = run(ids[:, 100:])
+        mask = streaming_mask(pos, pos, sinks, window, torch.float32)
+        want = model(ids, attention_mask=mask, position_ids=pos[None].expand(2, -1)).logits
+        torch.testing.assert_close(got, want[:, 99], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_next, want[:, 100], rtol=0, atol=1e-5)
+        assert run.cache.get_seq_length() == min(101, sinks + window - 1)
+    torch.testing.assert_close(got_next, model(ids).logits[:, 100], rtol=0, atol=1e-5)
+
+
 def test_peak_rss_sees_an_allocation():
     before = longctx.rss_bytes()
     if before is None:
