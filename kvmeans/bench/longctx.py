@@ -474,7 +474,7 @@ def worker_main(settings_json: str) -> int:
     try:
         _inject(s["arm"]["label"], s["length"])
         result = measure(s)
-    except (Exception, MemoryError) as err:
+    except Exception as err:                  # MemoryError included
         head = (str(err).strip().splitlines() or [""])[0]
         result = {"status": "oom" if _is_oom(err) else "error", "error": f"{type(err).__name__}: {head}"[:500],
                   "traceback": traceback.format_exc()[-4000:]}
