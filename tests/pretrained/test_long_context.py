@@ -11,7 +11,7 @@ from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 from kvmeans.pretrained.cache import ConvertedCacheLayer, cache_nbytes, cache_nbytes_by_kind  # noqa: E402
 from kvmeans.pretrained.convert import convert_hf, converted_cache  # noqa: E402
 from tests.pretrained.test_batch import left_pad  # noqa: E402
-from tests.pretrained.test_convert import FAMILIES, SMALL, V, ids, tiny  # noqa: E402
+from tests.pretrained.test_convert import FAMILIES, SMALL, ids, tiny  # noqa: E402
 
 SEG = 24                                 # a segment of 3 chunks: segment edges fall inside and on chunk edges
 
