@@ -14,7 +14,8 @@ from kvmeans.cli._dispatch import run_main, run_subcommand
 COMMANDS: Dict[str, Tuple[str, str]] = {
     "demo": ("kvmeans.cli.demo", "train tiny RWKV-7 / KVM fixed / KVM sqrt / BSWA / full models on a recall task; "
              "recall and memory vs length"),
-    "bench": ("kvmeans.cli.bench", "benchmarks: `kvmeans bench ops|ragged|pretrained` (`kvmeans bench --help`)"),
+    "bench": ("kvmeans.cli.bench", "benchmarks: `kvmeans bench ops|ragged|pretrained|longctx` "
+              "(`kvmeans bench --help`)"),
     "generate": ("kvmeans.cli.generate", "generate text with a saved model (streams; prints tok/s and cache memory)"),
     "convert": ("kvmeans.cli.convert", "convert an authors' checkpoint to the kvmeans layout: "
                 "`kvmeans convert SRC DST`"),

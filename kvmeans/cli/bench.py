@@ -11,6 +11,9 @@ BENCHMARKS: Dict[str, Tuple[str, str]] = {
                "calls per token (`kvmeans bench ragged --help`)"),
     "pretrained": ("kvmeans.cli.bench_pretrained", "a transformers model: full, StreamingLLM, KVM, kvpress on the "
                    "same samples (`kvmeans bench pretrained --model DIR --out DIR`)"),
+    "longctx": ("kvmeans.cli.bench_longctx", "long context in bounded memory: peak RSS, time to first token, "
+                "decode ms/token, cache bytes vs length for full, StreamingLLM and KVM, each run in its own process "
+                "(`kvmeans bench longctx --model DIR --out DIR`)"),
 }
 
 

@@ -197,17 +197,19 @@ def cache_layers(cache) -> List[Dict[str, Any]]:
 
 
 def hf_cache_layers(cache) -> List[Dict[str, Any]]:
-    """Per layer of a transformers cache: a converted layer (``kvm``) reports its state rows and the tokens
-    buffered for the window; a plain one (``attention``) its key/value tokens. ``nbytes`` as
+    """Per layer of a transformers cache: a converted layer (``kvm``) reports its state rows, the tokens
+    buffered for the window and its bytes by kind (``bytes_by_kind``: sinks, rows, reserve, window, recording);
+    a plain one (``attention``) its key/value tokens. ``nbytes`` as
     :func:`~kvmeans.pretrained.cache.cache_nbytes` counts them."""
-    from kvmeans.pretrained.cache import KVMCacheLayer
+    from kvmeans.pretrained.cache import ConvertedCacheLayer
     rows = []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, KVMCacheLayer):
+        if isinstance(layer, ConvertedCacheLayer):
             st = layer.state
             rows.append({"layer": i, "mixer": "kvm", "nbytes": int(st.nbytes), "mixer_nbytes": int(st.nbytes),
                          "used_nbytes": int(st.nbytes), "state_rows": st.num_rows,
-                         "window_tokens": st.window_tokens, "kv_rows": None})
+                         "window_tokens": st.window_tokens, "kv_rows": None,
+                         "bytes_by_kind": st.nbytes_by_kind()})
         else:
             n = sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                     if isinstance(t, torch.Tensor))

@@ -69,6 +69,9 @@ from kvmeans.utils.weights import named_weight_errors
 __all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
 
 _FIELDS = [f.name for f in dataclasses.fields(KVMModelConfig)]
+# an eval-mode forward over more tokens runs them through all layers this many at a time, carrying the cache
+# (config.prefill_segment overrides it; 0: one call): memory bounded by the segment, outputs those of one call
+PREFILL_SEGMENT = 1024
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
@@ -170,6 +173,21 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         return [b.mixer for b in self.transformer.h]
 
     # ---- forward ---------------------------------------------------------------------------------
+    def _advance_in_segments(self, cache: KVMCache, input_ids: Tensor, mask: Optional[Tensor], segment: int,
+                             keep: int) -> Optional[Tensor]:
+        """The final hidden states ``[B, keep or T, d]`` of ``input_ids [B, T]`` run ``segment`` tokens at a time
+        through every layer, carrying ``cache`` (the same as one call; memory bounded by the segment)."""
+        T, out = input_ids.shape[1], []
+        for s in range(0, T, segment):
+            e = min(T, s + segment)
+            want = e - s if keep == 0 else max(0, min(e - s, keep - (T - e)))
+            hidden = cache.advance(self._backbone(False), input_ids[:, s:e], None if mask is None else mask[:, s:e])
+            if want and hidden is None:             # a segment of pads only
+                hidden = self.lm_head.weight.new_zeros(input_ids.shape[0], e - s, self.config.hidden_size)
+            if want:
+                out.append(hidden[:, e - s - want:])
+        return torch.cat(out, 1) if len(out) > 1 else out[0]
+
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 past_key_values: Optional[Cache] = None, use_cache: Optional[bool] = None,
                 cache_position: Optional[Tensor] = None, position_ids: Optional[Tensor] = None,
@@ -210,7 +228,13 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
             use_cache = bool(self.config.use_cache) and labels is None
         cache = self._as_kvm_cache(either_cache(cache, past_key_values))
         mask = self._new_columns_mask(attention_mask, cache, input_ids.shape[1])
-        hidden = cache.advance(self._backbone(output_hidden_states), input_ids, mask)
+        segment = getattr(self.config, "prefill_segment", PREFILL_SEGMENT)
+        if (segment and not self.training and labels is None and not output_hidden_states
+                and isinstance(logits_to_keep, int) and input_ids.shape[1] > segment):
+            hidden = self._advance_in_segments(cache, input_ids, mask, segment, logits_to_keep)
+            logits_to_keep = 0                  # kept already
+        else:
+            hidden = cache.advance(self._backbone(output_hidden_states), input_ids, mask)
         d = self.config.hidden_size
         if hidden is None:             # every new column is a pad (e.g. a chunk of left padding)
             width = d * (self.config.num_layers + 1) if output_hidden_states else d

@@ -37,21 +37,23 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
     ``([B, T, H, Dv], None)``. The causal mask is implied; padding comes as the model's 2D mask."""
     spec = module.kvm_spec
     state, position_embeddings, hidden_states = module.__dict__.pop("_kvm_call")
-    cos = sin = cos_d = sin_d = None
+    rope = dict(rope_mode=spec.rope_mode)
     if spec.rope_mode != "none":
         if position_embeddings is None:
             raise ValueError(f"layer {module.layer_idx} got no position_embeddings; rope_mode={spec.rope_mode!r} "
                              "needs the model's RoPE (use rope_mode='none' for models without RoPE)")
-        cos, sin = position_embeddings
+        rope["cos"], rope["sin"] = position_embeddings
         if spec.rope_mode in ("pre_rope_fixed", "split"):
-            cos_d, sin_d = module.kvm_rope_at(spec.distance, query)
-    out = state.attend(                 # each row by its real tokens (mask: kvmeans.pretrained.convert._pass_padding)
+            rope["cos_d"], rope["sin_d"] = module.kvm_rope_at(spec.distance, query)
+            rope["rope"] = functools.partial(module.kvm_rope_at.positions, dtype=query.dtype)
+            rope["positions"] = module.__dict__.get("_kvm_positions")
+    out = state.attend(                 # each row by its real tokens (mask: kvmeans.pretrained.convert._set_inputs)
         converted_kvm_attention, module.__dict__.get("_kvm_mask"), query, key, value,
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
-        sink_len=spec.sink_len, rope_mode=spec.rope_mode, cos=cos, sin=sin, cos_d=cos_d, sin_d=sin_d,
-        softcap=softcap, log_count_bias=spec.log_count_bias, novel_rows=spec.novel_rows,
-        exact_rows=spec.exact_rows, layer_novelty=_layer_novelty(module), **learned_readout(module, hidden_states))
+        sink_len=spec.sink_len, softcap=softcap, log_count_bias=spec.log_count_bias, novel_rows=spec.novel_rows,
+        exact_rows=spec.exact_rows, layer_novelty=_layer_novelty(module), **rope,
+        **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -82,11 +84,15 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, kvm_attention_forward)
 def _capture(module, args, kwargs):
     """Forward pre-hook: stash the layer's KVM state (from the cache, or a fresh one without a cache)
     and the RoPE cos/sin for :func:`kvm_attention_forward`."""
-    bound = module._kvm_signature.bind(*args, **kwargs).arguments
-    named = {**bound.pop("kwargs", {}), **bound}
-    cache = cache_from(named, "layer_past")      # GPT-NeoX attention calls it layer_past
-    state = ConvertedBatchState() if cache is None else kvm_cache_layer(cache, module.layer_idx).state
-    module._kvm_call = (state, named.get("position_embeddings"), named.get("hidden_states"))
+    if args or "hidden_states" not in kwargs:     # positional call: bind by the signature (slower)
+        bound = module._kvm_signature.bind(*args, **kwargs).arguments
+        kwargs = {**bound.pop("kwargs", {}), **bound}
+    cache = cache_from(kwargs, "layer_past")      # GPT-NeoX attention calls it layer_past
+    if cache is None:
+        state = ConvertedBatchState()
+    else:
+        state = kvm_cache_layer(cache, module.layer_idx, module.kvm_compact_mask).state
+    module._kvm_call = (state, kwargs.get("position_embeddings"), kwargs.get("hidden_states"))
     if module.kvm_layer_pos == 0 and module.kvm_board is not None:
         module.kvm_board.clear()        # a forward that failed midway leaves nothing for the next
 
@@ -108,6 +114,7 @@ def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Cal
     module.kvm_spec = spec
     module.kvm_rope_at = rope_at
     module.kvm_board, module.kvm_layer_pos = board, layer_pos
+    module.kvm_compact_mask = False     # convert_hf sets it when every full-attention layer is converted
     module._kvm_signature = inspect.signature(module.forward)
     if spec.learned:
         add_learned_parameters(module)

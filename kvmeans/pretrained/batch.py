@@ -9,15 +9,17 @@ a state or a window, their outputs are zeros, and each row gets exactly what it 
 prompt batch then decodes as one part per distinct prompt length. Parts are never merged back.
 
 Rollback. Merged rows cannot be un-merged, but :class:`ConvertedKVMState` tensors are replaced, never
-written in place, so a shallow copy is a snapshot. With ``recording`` (a cache's state; transformers turns
-recording on for the plain cache layers before a converted layer exists, so a cache's converted layers
-always record) a call with no snapshot held takes one first (a call of more than ``replay_limit`` tokens
-runs in two, the snapshot before its last ``replay_limit``, whether or not one is held), and the inputs of
-every call since are kept. ``crop`` back to the snapshot or later restores it and runs the kept inputs
-again (outputs discarded): the state equals one that never saw the removed tokens. A crop keeping more than ``replay_limit`` tokens
-since the snapshot, or a call finding ``2 * replay_limit`` kept, lets the next call snapshot afresh; so
-the snapshot is always at or before the start of the last call, and what is kept is at most one state's
-tensors (shared with the live state until they change) and the q/k/v of ``3 * replay_limit`` tokens.
+written in place, so a shallow copy is a snapshot. Recording is off unless asked for: assisted and
+prompt-lookup decoding ask through the cache's ``activate_past_recording``, which reaches a converted layer
+because ``convert_hf`` puts the converted cache layers in ``generate``'s cache before decoding starts; without
+it ``crop`` can only keep everything. With ``recording`` a call with no snapshot held takes one first (a call
+of more than ``replay_limit`` tokens runs in two, the snapshot before its last ``replay_limit``, whether or not
+one is held), and the inputs of every call since are kept. ``crop`` back to the snapshot or later restores it
+and runs the kept inputs again (outputs discarded): the state equals one that never saw the removed tokens. A
+crop keeping more than ``replay_limit`` tokens since the snapshot, or a call finding ``2 * replay_limit`` kept,
+lets the next call snapshot afresh; so the snapshot is always at or before the start of the last call, and what
+is kept is at most one state's tensors (shared with the live state until they change) and the q/k/v of
+``3 * replay_limit`` tokens (``nbytes_by_kind()["recording"]``).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from kvmeans.pretrained.op import ConvertedKVMState
 from kvmeans.utils.rows import split_selection
 
 # keyword tensors of the attention function given per row and token: name -> axis of the tokens (rows: axis 0)
-PER_TOKEN = {"cos": 1, "sin": 1, "merge_gate": 2}
+PER_TOKEN = {"cos": 1, "sin": 1, "positions": 1, "merge_gate": 2}
 
 Part = Tuple[Optional[Tensor], ConvertedKVMState]       # (batch rows [g] ascending, or None: all rows in order)
 
@@ -151,7 +153,8 @@ class ConvertedBatchState:
         if snap is None or keep < snap[0]:
             raise ValueError(f"crop: a converted layer can roll {self.columns} columns back to "
                              f"{self.columns if snap is None else snap[0]} at the least (its last snapshot), not "
-                             f"{keep}" + ("" if self.recording else "; its state does not record (no cache)"))
+                             f"{keep}" + ("" if self.recording else "; it does not record: call the cache's "
+                                          "activate_past_recording() before the calls to roll back"))
         calls, n = [], keep - snap[0]
         for q, k, v, mask, per_token in self._calls:
             m = min(n - sum(c[0].shape[2] for c in calls), q.shape[2])
@@ -210,7 +213,28 @@ class ConvertedBatchState:
 
     @property
     def nbytes(self) -> int:
-        return sum(st.nbytes for _, st in self.parts)
+        """Bytes held: the states' tensors and, when recording, what only the snapshot and the kept calls hold."""
+        return sum(self.nbytes_by_kind().values())
+
+    def nbytes_by_kind(self) -> Dict[str, int]:
+        """Bytes held per kind: ``sinks``, ``rows``, ``reserve``, ``window`` (:meth:`ConvertedKVMState.nbytes_by_kind`,
+        summed over the parts) and ``recording`` (for ``crop``: the snapshot's tensors the live states no longer
+        share, and the inputs of the calls since it)."""
+        out = {"sinks": 0, "rows": 0, "reserve": 0, "window": 0, "recording": 0}
+        for _, st in self.parts:
+            for kind, n in st.nbytes_by_kind().items():
+                out[kind] += n
+        if self._snapshot is not None:
+            live = {t.data_ptr() for _, st in self.parts for t in st._tensors()}
+            out["recording"] += sum(t.numel() * t.element_size() for _, st in self._snapshot[1]
+                                    for t in st._tensors() if t.data_ptr() not in live)
+            out["recording"] += sum(t.numel() * t.element_size() for call in self._calls
+                                    for t in (*call[:3], *call[4].values()))
+        return out
+
+    def start_recording(self) -> None:
+        """Keep what ``crop`` needs from the next call on (assisted / prompt-lookup decoding)."""
+        self.recording = True
 
     def __repr__(self) -> str:
         inner = self.parts[0][1] if len(self.parts) == 1 else f"{len(self.parts)} parts"

@@ -6,18 +6,23 @@ stored in ``config.json`` under ``kvm_conversion`` so :func:`load_converted` reb
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import inspect
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
 
+from kvmeans.models.hf_compat import cache_from, cache_kwargs
 from kvmeans.ops.budget import StateBudget, as_budget
 from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import NoveltyBoard
+from kvmeans.pretrained.cache import kvm_cache_layer
 from kvmeans.pretrained.op import ROPE_MODES
 from kvmeans.utils.weights import named_weight_errors
 
@@ -45,7 +50,10 @@ class KVMSpec:
     (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
     ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
-    ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read.
+    ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
+    ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
+    carrying the cache, so a prompt of any length is read in memory that does not grow with it (0: one call);
+    the outputs are those of one call.
     """
     budget: Union[StateBudget, int] = 128
     chunk_len: int = 32                # measured on SmolLM2: C=32, n=4 beats C=64, n=2 at the same kept keys
@@ -58,6 +66,7 @@ class KVMSpec:
     exact_rows: int = 0
     exact_scope: str = "model"
     learned: bool = False
+    prefill_segment: int = 1024
 
     def __post_init__(self):
         as_budget(self.budget)
@@ -68,7 +77,8 @@ class KVMSpec:
         if self.rope_mode not in ROPE_MODES:
             raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {self.rope_mode!r}")
         if self.rope_distance is not None and self.rope_distance < 0:
-            raise ValueError(f"rope_distance must be >= 0 (or None for three times the window span), got {self.rope_distance}")
+            raise ValueError("rope_distance must be >= 0 (or None for three times the window span), got "
+                             f"{self.rope_distance}")
         if not 0 <= self.novel_rows <= self.chunk_len:
             raise ValueError(f"novel_rows must be in [0, chunk_len={self.chunk_len}], got {self.novel_rows}")
         most = self.max_exact_rows
@@ -78,6 +88,9 @@ class KVMSpec:
                              if most is not None else f"exact_rows must be >= 0, got {self.exact_rows}")
         if self.exact_rows and self.novel_rows:
             raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
+        if self.prefill_segment < 0:
+            raise ValueError("prefill_segment must be >= 0 (0: the whole input in one call), got "
+                             f"{self.prefill_segment}")
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
@@ -166,38 +179,156 @@ def _attention_layers(model) -> dict:
 
 
 class _RopeAt:
-    """``(distance, like) -> (cos [R], sin [R])`` from the model's own rotary embedding (one source of truth
-    for theta, partial rotary and scaling; Gemma3 picks the layer type's RoPE). An object, not a closure, so
-    ``copy.deepcopy(model)`` points the copy at its own rotary module."""
+    """The model's own rotary embedding (one source of truth for theta, partial rotary and scaling; Gemma3 picks
+    the layer type's RoPE): ``(distance, like) -> (cos [R], sin [R])`` at one position (cached) and
+    :meth:`positions`. An object, not a closure, so ``copy.deepcopy(model)`` points the copy at its own rotary
+    module."""
 
     def __init__(self, model, module):
         self.rotary = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
         params = inspect.signature(self.rotary.forward).parameters
         self.extra = {"layer_type": module.layer_type} if "layer_type" in params else {}
+        self._at = {}
 
     def __call__(self, distance: int, like: torch.Tensor):
-        x = torch.empty(0, device=like.device, dtype=torch.float32)
-        cos, sin = self.rotary(x, torch.tensor([[distance]], device=like.device), **self.extra)
-        return cos[0, 0], sin[0, 0]
+        key = (distance, like.device)
+        if key not in self._at:
+            cos, sin = self.positions(torch.tensor([[distance]], device=like.device), torch.float32)
+            self._at[key] = (cos[0, 0], sin[0, 0])
+        return self._at[key]
+
+    def positions(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+        """``(cos, sin) [B, n, R]`` at ``positions [B, n]``, as the model computes them for activations of ``dtype``."""
+        x = torch.empty(0, device=positions.device, dtype=dtype)
+        return self.rotary(x, positions, **self.extra)
+
+    def __deepcopy__(self, memo):
+        out = _RopeAt.__new__(_RopeAt)
+        out.rotary, out.extra, out._at = copy.deepcopy(self.rotary, memo), dict(self.extra), {}
+        return out
 
 
-def _pass_padding(model, args, kwargs):
-    """Forward pre-hook: hand the converted layers the 2D padding mask (``kvmeans.pretrained.batch``: each row
-    runs on its real tokens only); None when there is no padding."""
-    mask = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("attention_mask")
+def _converted(model):
+    """The converted attention modules (listed once: walking every module per forward costs milliseconds)."""
+    found = model.__dict__.get("_kvm_modules")
+    if found is None:
+        found = model._kvm_modules = [m for m in model.modules() if getattr(m, "kvm_spec", None) is not None]
+    return found
+
+
+def _set_inputs(model, named: dict, cache) -> None:
+    """Hand the converted layers what the attention interface does not pass: the 2D padding mask
+    (``kvmeans.pretrained.batch``: each row runs on its real tokens only; None when there is no padding) and the
+    tokens' positions (the pre-RoPE modes unrotate keys at them later), as the model computes them."""
+    mask = named.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise ValueError("a KVM-converted model takes a 2D attention_mask (1 = token, 0 = pad), got a "
                          f"{mask.dim()}D one; custom 4D masks are not supported")
     if mask is not None and bool(mask.all()):
         mask = None
-    for module in model.modules():
-        if getattr(module, "kvm_spec", None) is not None:
-            module._kvm_mask = mask
+    positions = named.get("position_ids")
+    if positions is None:           # what the model uses then: the cache's length on
+        x = named["input_ids"] if named.get("input_ids") is not None else named["inputs_embeds"]
+        past = 0 if cache is None else cache.get_seq_length()
+        positions = torch.arange(past, past + x.shape[1], device=x.device)[None]
+    for module in _converted(model):
+        module._kvm_mask, module._kvm_positions = mask, positions
 
 
-def _drop_padding(model, args, output):
-    for module in model.modules():
+def _clear_inputs(model) -> None:
+    for module in _converted(model):
         module.__dict__.pop("_kvm_mask", None)
+        module.__dict__.pop("_kvm_positions", None)
+
+
+_SEGMENT_OFF = ("labels", "output_attentions", "output_hidden_states")
+
+
+def _forward(self, *args, **kwargs):
+    """A converted model's ``forward`` (bound to it by :func:`convert_hf`): the plain forward, over segments of
+    ``prefill_segment`` tokens carrying the cache when the input is longer (eval mode; logits only where
+    ``logits_to_keep`` asks; one call otherwise, and with labels, attentions or hidden states asked for)."""
+    inner = self.__dict__.get("_kvm_inner_forward") or functools.partial(type(self).forward, self)
+    named = self._kvm_signature.bind_partial(*args, **kwargs).arguments
+    named = {**named.pop("kwargs", {}), **named}
+    x = named["input_ids"] if named.get("input_ids") is not None else named.get("inputs_embeds")
+    segment = self.config.kvm_conversion.get("prefill_segment", 0)
+    keep = named.get("logits_to_keep", 0)
+    cache = cache_from(named)
+    if (x is None or self.training or not segment or x.shape[1] <= segment or isinstance(keep, torch.Tensor)
+            or any(named.get(k) for k in _SEGMENT_OFF)):
+        try:
+            _set_inputs(self, named, cache)
+            return inner(**named)
+        finally:
+            _clear_inputs(self)
+    return _segmented(self, inner, named, x, segment, keep, cache)
+
+
+def _segmented(model, inner, named: dict, x: torch.Tensor, segment: int, keep: int, cache):
+    from transformers import DynamicCache
+
+    name = "input_ids" if named.get("input_ids") is not None else "inputs_embeds"
+    use_cache = named.get("use_cache")
+    use_cache = model.config.use_cache if use_cache is None else use_cache
+    return_dict = named.pop("return_dict", None)
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    T, mask, positions = x.shape[1], named.get("attention_mask"), named.get("position_ids")
+    past = cache.get_seq_length()
+    logits, out = [], None
+    for s in range(0, T, segment):
+        e = min(T, s + segment)
+        want = e - s if keep == 0 else max(0, min(e - s, keep - (T - e)))      # logits of [s, e) to return
+        part = {**named, name: x[:, s:e], "use_cache": True, "logits_to_keep": 0 if keep == 0 else max(want, 1),
+                **cache_kwargs(cache)}
+        if mask is not None:
+            part["attention_mask"] = mask[:, :past + e]
+        if positions is not None:
+            part["position_ids"] = positions[..., s:e]
+        if named.get("cache_position") is not None:
+            part["cache_position"] = named["cache_position"][s:e]
+        try:
+            _set_inputs(model, part, cache)
+            out = inner(**part)
+        finally:
+            _clear_inputs(model)
+        if keep == 0:
+            logits.append(out.logits)
+        elif want:
+            logits.append(out.logits[:, -want:])
+    out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
+    if not use_cache:
+        for field in ("cache", "past_key_values"):
+            if field in out:
+                out[field] = None
+    return out if return_dict is not False else out.to_tuple()
+
+
+def converted_cache(model, cache=None):
+    """``cache`` (default: a new ``DynamicCache`` for ``model``) with the converted layers' cache layers in place
+    already, so that ``cache.activate_past_recording()`` reaches them before the first forward (``crop`` after
+    calls made from then on); ``generate`` does this itself."""
+    if cache is None:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=model.config)
+    for module in _converted(model):
+        kvm_cache_layer(cache, module.layer_idx, module.kvm_compact_mask)
+    return cache
+
+
+def _prepare_cache(self, *args, **kwargs):
+    """``generate``'s cache preparation, then the converted layers' cache layers put in place at once, so that
+    assisted and prompt-lookup decoding (which ask the cache to record before the first forward) reach them."""
+    result = type(self)._prepare_cache_for_generation(self, *args, **kwargs)
+    model_kwargs = kwargs.get("model_kwargs", next((a for a in args if isinstance(a, dict)), None))
+    cache = None if model_kwargs is None else cache_from(model_kwargs)
+    config = kwargs.get("generation_config", args[0] if args else None)
+    if cache is not None and hasattr(cache, "layers"):
+        converted_cache(self, cache)
+        if getattr(config, "is_assistant", False):      # generate asked before our layers were there
+            cache.activate_past_recording()
+    return result
 
 
 def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
@@ -235,10 +366,22 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
     board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
     for pos, i in enumerate(chosen):
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
-    if not getattr(model, "_kvm_padding_hook", False):
-        model.register_forward_pre_hook(_pass_padding, with_kwargs=True)
-        model.register_forward_hook(_drop_padding, always_call=True)
-        model._kvm_padding_hook = True
+    model.__dict__.pop("_kvm_modules", None)
+    compact = all(i in chosen for i in attn if is_global[i])     # no plain full-attention layer reads the mask
+    for i in chosen:
+        attn[i].kvm_compact_mask = compact
+    if not getattr(model, "_kvm_forward", False):
+        if "forward" in model.__dict__:          # e.g. accelerate's device hooks: keep them inside ours
+            model._kvm_inner_forward = model.__dict__["forward"]
+        sig = inspect.signature(type(model).forward)
+        model._kvm_signature = sig.replace(parameters=list(sig.parameters.values())[1:])     # without self
+        # generate reads forward's parameters (logits_to_keep, attention_mask, ...): ours shows the model's
+        forward = types.FunctionType(_forward.__code__, _forward.__globals__, "forward")
+        forward.__signature__, forward.__doc__ = sig, _forward.__doc__
+        model.forward = types.MethodType(forward, model)
+        if hasattr(type(model), "_prepare_cache_for_generation"):
+            model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
+        model._kvm_forward = True
     model.config.kvm_conversion = {"layers": chosen, **spec.to_dict()}
     return model
 

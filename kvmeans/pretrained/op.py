@@ -11,10 +11,16 @@ and reads every row as if it sat ``distance`` tokens before the query (``q_rot(p
 ``(R(d)q).k`` with the unrotated q, so one rotation of each query by ``d`` does it exactly);
 ``split`` is the paper's NoPE state (unrotated q.k, i.e. distance 0) beside the RoPE window, one softmax;
 ``none`` for models without RoPE (learned absolute positions).
+
+Memory. A state holds the merged rows, the reserve and the exact window's post-RoPE keys and values (the
+tokens not merged yet) with their positions, nothing per token beyond the window: the pre-RoPE modes
+unrotate a block's keys when it leaves the window, from the model's own RoPE at the stored positions. A call
+of ``T`` tokens works on its ``T`` tokens and the window; calls that stay inside one chunk (decode steps)
+read the state directly, longer ones attend every chunk of queries at once on the chunk grid.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,24 +55,34 @@ def unrotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr, x[..., r:]), dim=-1) if r < x.shape[-1] else xr
 
 
+RopeFn = Callable[[Tensor], Tuple[Tensor, Tensor]]        # positions [B, n] -> (cos, sin) [B, n, R]
+
+
 class ConvertedKVMState:
     """What a converted layer carries between calls (one per layer, all batch rows and kv heads).
 
-    ``buf_*`` hold the tokens ``[covered, seen)`` not yet in the state: their post-RoPE keys, values and
-    the keys the state merges (unrotated keys in the pre-RoPE modes, None when equal to ``buf_k``);
-    ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``;
-    ``buf_g`` ``[B, Hkv, n, 1]`` the buffered tokens' merge gates (None: every token weighs 1);
+    ``buf_k``/``buf_v`` ``[B, Hkv, n, D]`` hold the tokens ``[covered, seen)`` not yet in the state (the exact
+    window and the chunk filling up): their post-RoPE keys and values; ``buf_pos`` ``[B, n]`` their positions
+    (the pre-RoPE modes unrotate a block's keys from them when it leaves the window; None otherwise);
+    ``buf_g`` ``[B, Hkv, n, 1]`` their merge gates (None: every token weighs 1);
+    ``key_sum``/``value_sum`` ``[B, Hkv, m, D]`` and ``count`` ``[B, Hkv, m]`` summarise ``[0, covered)``
+    (the first ``sink_len`` rows are sinks, never merged into);
     ``reserve_*`` the exact rows (``exact_rows``, ``kvmeans.pretrained.reserve``; None without them):
     ``reserve_key``/``reserve_value`` ``[B, Hkv, R, D]`` one token's (gated) key and value, ``reserve_count``
     ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty).
     """
 
-    FIELDS = ("buf_k", "buf_v", "buf_s", "buf_g", "key_sum", "value_sum", "count", "reserve_key", "reserve_value",
-              "reserve_count", "reserve_score")
+    FIELDS = ("buf_k", "buf_v", "buf_pos", "buf_g", "key_sum", "value_sum", "count", "reserve_key",
+              "reserve_value", "reserve_count", "reserve_score")
+    # what each field is, for :meth:`nbytes_by_kind` (the sinks are split off the rows there)
+    KINDS = {"buf_k": "window", "buf_v": "window", "buf_pos": "window", "buf_g": "window", "key_sum": "rows",
+             "value_sum": "rows", "count": "rows", "reserve_key": "reserve", "reserve_value": "reserve",
+             "reserve_count": "reserve", "reserve_score": "reserve"}
 
     def __init__(self):
         self.seen = 0
         self.covered = 0
+        self.sink_len = 0
         for name in self.FIELDS:
             setattr(self, name, None)
 
@@ -93,6 +109,21 @@ class ConvertedKVMState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
+    def nbytes_by_kind(self) -> Dict[str, int]:
+        """Bytes held per kind: ``sinks`` (the first ``sink_len`` pool rows), ``rows`` (the other pool rows),
+        ``reserve`` (exact rows), ``window`` (tokens not merged yet: the exact window and the chunk filling up)."""
+        out = {"sinks": 0, "rows": 0, "reserve": 0, "window": 0}
+        for name in self.FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                out[self.KINDS[name]] += t.numel() * t.element_size()
+        if self.count is not None and self.sink_len:
+            sinks = min(self.sink_len, self.count.shape[-1])
+            per_row = sum(t.numel() * t.element_size() // t.shape[2]
+                          for t in (self.key_sum, self.value_sum, self.count))
+            out["sinks"], out["rows"] = sinks * per_row, out["rows"] - sinks * per_row
+        return out
+
     def index_select(self, idx: Tensor) -> "ConvertedKVMState":
         """Keep/reorder batch rows (beam search, batch selection) in place."""
         for name in self.FIELDS:
@@ -114,30 +145,41 @@ class ConvertedKVMState:
                 f"buffered={self.seen - self.covered}, nbytes={self.nbytes})")
 
 
-def _cat(a: Optional[Tensor], b: Tensor) -> Tensor:
-    return b if a is None else torch.cat((a, b), dim=-2)
+def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
+    return b if a is None else torch.cat((a, b), dim=dim)
+
+
+def _state_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: Optional[RopeFn]) -> Tensor:
+    """The keys the state merges for buffered tokens ``[lo, hi)`` (buffer indices) in ``acc``: post-RoPE keys
+    unrotated at their positions (pre-RoPE modes, ``rope`` given) or as they are."""
+    k = st.buf_k[..., lo:hi, :].to(acc)
+    if rope is None:
+        return k
+    cos, sin = rope(st.buf_pos[:, lo:hi])
+    return unrotate(k, cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc))
 
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
-             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None) -> None:
+             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.pretrained.routing``; with
     ``exact_rows`` the block first passes the reserve, ``kvmeans.pretrained.reserve``, and the pool's
     budget is ``exact_rows`` less; ``layer_novelty(start, score) -> score`` ranks a block by its novelty
-    agreed across layers, ``kvmeans.pretrained.board``)."""
+    agreed across layers, ``kvmeans.pretrained.board``). The merged tokens stay in the buffer until
+    :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
-    skeys = st.buf_k if st.buf_s is None else st.buf_s
     base = st.seen - st.buf_v.shape[-2]                 # token index of the buffer's first token
     acc = torch.promote_types(st.buf_v.dtype, torch.float32)   # state sums: fp32 for half inputs
     gate = None if st.buf_g is None else st.buf_g.to(acc)      # a token adds g*k, g*v and g to its row
     if st.count is None:                                 # the first chunk becomes the initial rows
-        st.key_sum = skeys[..., :chunk_len, :].to(acc)
+        st.key_sum = _state_keys(st, 0, chunk_len, acc, rope)
         st.value_sum = st.buf_v[..., :chunk_len, :].to(acc)
         st.count = st.key_sum.new_ones(st.key_sum.shape[:-1])
+        st.sink_len = sink_len
         if gate is not None:
             g = gate[..., :chunk_len, :]
             st.key_sum, st.value_sum, st.count = st.key_sum * g, st.value_sum * g, g.squeeze(-1)
@@ -152,12 +194,12 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     for start in range(max(st.covered, chunk_len), target, chunk_len):   # schedule.plan_updates, one step at a time
         rows = st.count.shape[-1]
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
-        blk = slice(start - base, start - base + chunk_len)
-        bk, bv = skeys[..., blk, :].to(acc), st.buf_v[..., blk, :].to(acc)
+        lo = start - base
+        bk, bv = _state_keys(st, lo, lo + chunk_len, acc, rope), st.buf_v[..., lo:lo + chunk_len, :].to(acc)
         sel = F.normalize(bk, dim=-1)
-        weight = torch.ones_like(sel[..., 0], dtype=st.count.dtype) if gate is None else gate[..., blk, 0]
+        weight = torch.ones_like(sel[..., 0], dtype=st.count.dtype) if gate is None else gate[..., lo:lo + chunk_len, 0]
         if gate is not None:
-            bk, bv = bk * gate[..., blk, :], bv * gate[..., blk, :]
+            bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
             score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
@@ -179,18 +221,27 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
         st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
         st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, weight)
-    drop = target - base
-    st.buf_k, st.buf_v = st.buf_k[..., drop:, :], st.buf_v[..., drop:, :]
-    st.buf_s = None if st.buf_s is None else st.buf_s[..., drop:, :]
-    st.buf_g = None if st.buf_g is None else st.buf_g[..., drop:, :]
     st.covered = target
+
+
+def _trim(st: ConvertedKVMState) -> None:
+    """Drop the merged tokens from the buffer, copying what stays: a view would keep the whole call's keys and
+    values alive (the buffer grows from a call's full inputs)."""
+    drop = 0 if st.buf_v is None else st.covered - (st.seen - st.buf_v.shape[-2])
+    if drop <= 0:
+        return
+    for name, axis in (("buf_k", -2), ("buf_v", -2), ("buf_g", -2), ("buf_pos", -1)):
+        t = getattr(st, name)
+        if t is not None:
+            setattr(st, name, t.narrow(axis, drop, t.shape[axis] - drop).clone())
 
 
 def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVMState, *, scaling: float,
                             budget: BudgetLike, chunk_len: int, n_bswa_chunks: int, sink_len: int,
                             rope_mode: str = "pre_rope_fixed", cos: Optional[Tensor] = None,
                             sin: Optional[Tensor] = None, cos_d: Optional[Tensor] = None,
-                            sin_d: Optional[Tensor] = None, softcap: Optional[float] = None,
+                            sin_d: Optional[Tensor] = None, rope: Optional[RopeFn] = None,
+                            positions: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
                             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
@@ -200,11 +251,14 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
 
     ``q [B, H, T, D]`` and ``k [B, Hkv, T, D]`` as the model rotated them (post-RoPE), ``v [B, Hkv, T, Dv]``;
     ``cos``/``sin`` ``[B, T, R]`` the model's RoPE for these positions (pre-RoPE modes), ``cos_d``/``sin_d``
-    ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``). Tokens are processed chunk-aligned by
-    absolute position, so any split of a sequence (prefill + decode) gives the same result. ``novel_rows``:
-    novelty-preserving routing at a full budget (``kvmeans.pretrained.routing``; 0: KVM's routing);
-    ``exact_rows``: slots of the budget that keep the most novel tokens exactly (``kvmeans.pretrained.reserve``),
-    ranked by ``layer_novelty(start, score)`` when given (novelty agreed across layers, ``kvmeans.pretrained.board``).
+    ``[R]`` the RoPE of the read distance (``pre_rope_fixed``; position 0 for ``split``); ``rope(positions
+    [B, n]) -> (cos, sin) [B, n, R]`` the model's RoPE at any positions (pre-RoPE modes: it unrotates the keys
+    of a block leaving the window) and ``positions [B, T]`` these tokens' (default: ``state.seen`` on).
+    Tokens are processed chunk-aligned by their index in the state, so any split of a sequence (prefill +
+    decode) gives the same result. ``novel_rows``: novelty-preserving routing at a full budget
+    (``kvmeans.pretrained.routing``; 0: KVM's routing); ``exact_rows``: slots of the budget that keep the most
+    novel tokens exactly (``kvmeans.pretrained.reserve``), ranked by ``layer_novelty(start, score)`` when given
+    (novelty agreed across layers, ``kvmeans.pretrained.board``).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -215,35 +269,100 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
     if exact_rows and novel_rows:
         raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
+    pre_rope = rope_mode in ("pre_rope_fixed", "split")
+    if pre_rope and rope is None:
+        raise ValueError(f"rope_mode={rope_mode!r} needs rope= (positions -> the model's cos, sin): the keys of a "
+                         "block are unrotated when it leaves the window")
     budget = as_budget(budget)
     B, H, T, D = q.shape
-    Hkv, G = k.shape[1], H // k.shape[1]
     dt = torch.promote_types(q.dtype, torch.float32)
-    pre_rope = rope_mode in ("pre_rope_fixed", "split")
-    if pre_rope:
-        c, s = cos.unsqueeze(1).to(dt), sin.unsqueeze(1).to(dt)
-        skeys = unrotate(k.to(dt), c, s)
-        a = (cos_d * cos_d + sin_d * sin_d).sqrt()    # (R(d) q).k: a^2 R(d) on the rotary channels
-        q_state = rotate(unrotate(q.to(dt), c, s), (cos_d * a).to(dt), (sin_d * a).to(dt))
-    else:
-        skeys, q_state = None, q
     C, L = chunk_len, n_bswa_chunks * chunk_len
     start = state.seen
+    if pre_rope:
+        c, s = cos.unsqueeze(1).to(dt), sin.unsqueeze(1).to(dt)
+        a = (cos_d * cos_d + sin_d * sin_d).sqrt()    # (R(d) q).k: a^2 R(d) on the rotary channels
+        q_state = rotate(unrotate(q.to(dt), c, s), (cos_d * a).to(dt), (sin_d * a).to(dt))
+        if positions is None:
+            positions = torch.arange(start, start + T, device=k.device).expand(B, T)
+        state.buf_pos = _cat(state.buf_pos, positions.to(k.device).expand(B, T).contiguous(), -1)
+    else:
+        q_state = q
     base0 = start - (0 if state.buf_v is None else state.buf_v.shape[-2])
-    all_k, all_v = _cat(state.buf_k, k), _cat(state.buf_v, v)            # positions [base0, start + T)
-    state.buf_k, state.buf_v, state.seen = all_k, all_v, start + T
-    if skeys is not None:
-        state.buf_s = _cat(state.buf_s, skeys.to(k.dtype))
+    state.buf_k, state.buf_v, state.seen = _cat(state.buf_k, k), _cat(state.buf_v, v), start + T
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
+    routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
+                   rope=rope if pre_rope else None)
     c0, c1 = start // C, -(-(start + T) // C)
-    rows = []                                      # the state each chunk of queries reads (tensors are not
-    for c in range(c0, c1):                        # updated in place, so these are snapshots)
-        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, novel_rows, exact_rows,
-                 layer_novelty)
+    read = dict(scaling=scaling, softcap=softcap, log_count_bias=log_count_bias, state_key_weight=state_key_weight,
+                state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp)
+    if c1 - c0 == 1:                # inside one chunk (decode steps): the window and the state as they are
+        _advance(state, start + T, budget, C, n_bswa_chunks, sink_len, **routing)
+        out = _attend_one_chunk(q, q_state, state, base0, start, c0 * C - (L - C), dt, **read)
+    else:
+        out = _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks, sink_len, routing, dt,
+                                 **read)
+    _trim(state)
+    return out
+
+
+def _state_read(rows, dt, state_key_weight, state_key_bias, log_count_bias):
+    """Mean keys ``[.., M, D]``, mean values and the logit bias ``[.., M]`` of ``(key sums, value sums, counts)``:
+    ``+log(count)`` (empty rows -inf), or 0 without ``log_count_bias``."""
+    key_sum, value_sum, cnt = (t.to(dt) for t in rows)
+    div = cnt.masked_fill(cnt == 0, 1).unsqueeze(-1)      # empty rows: 0 / 1 (gated counts may be < 1)
+    mean_k, mean_v = key_sum / div, value_sum / div
+    if state_key_weight is not None:
+        shape = (1, -1) + (1,) * (mean_k.dim() - 3) + (mean_k.shape[-1],)
+        mean_k = mean_k * state_key_weight.view(shape) + state_key_bias.view(shape)
+    bias = cnt.log() if log_count_bias else torch.zeros_like(cnt).masked_fill(cnt == 0, float("-inf"))
+    return mean_k, mean_v, bias
+
+
+def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softcap, log_count_bias,
+                      state_key_weight, state_key_bias, state_temp, window_temp) -> Tensor:
+    """The ``T`` queries of one chunk (positions ``[start, start + T)``) against the state's rows and the window
+    ``[max(w0, 0), start + T)`` (causal among the new tokens); ``[B, H, T, Dv]``."""
+    B, H, T, D = q.shape
+    Hkv = state.buf_k.shape[1]
+    G = H // Hkv
+    lo = max(w0, 0) - base0
+    kw, vw = state.buf_k[..., lo:, :].to(dt), state.buf_v[..., lo:, :].to(dt)       # [B, Hkv, W, D]
+    qw = q if window_temp is None else q * window_temp.view(1, H, 1, 1)
+    qw = qw.to(dt).reshape(B, Hkv, G * T, D)
+    logits = _softcap(torch.matmul(qw, kw.transpose(-1, -2)) * scaling, softcap)     # [B, Hkv, G*T, W]
+    if T > 1:
+        W = kw.shape[-2]
+        future = torch.arange(W, device=q.device) > torch.arange(W - T, W, device=q.device)[:, None]
+        logits = logits.masked_fill(future.repeat(G, 1), float("-inf"))
+    rows = state.read_rows()
+    if rows is None:
+        return torch.matmul(torch.softmax(logits, -1), vw).reshape(B, H, T, -1).to(q.dtype)
+    mean_k, mean_v, bias = _state_read(rows, dt, state_key_weight, state_key_bias, log_count_bias)
+    qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1)
+    sl = _softcap(torch.matmul(qs.to(dt).reshape(B, Hkv, G * T, D), mean_k.transpose(-1, -2)) * scaling, softcap)
+    M = mean_k.shape[-2]
+    p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
+    out = torch.matmul(p[..., :M], mean_v) + torch.matmul(p[..., M:], vw)
+    return out.reshape(B, H, T, -1).to(q.dtype)
+
+
+def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks, sink_len, routing, dt, *,
+                       scaling, softcap, log_count_bias, state_key_weight, state_key_bias, state_temp,
+                       window_temp) -> Tensor:
+    """Every chunk of queries at once: queries padded to whole chunks, each chunk's window the ``L`` positions
+    ending at its end, each chunk reading the state as it stood then (``_advance`` per chunk; the tensors are
+    replaced, not written in place, so the per-chunk rows are snapshots)."""
+    B, H, T, D = q.shape
+    Hkv = state.buf_k.shape[1]
+    G, L = H // Hkv, n_bswa_chunks * C
+    c0, c1 = start // C, -(-(start + T) // C)
+    rows = []
+    for c in range(c0, c1):
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
         rows.append(state.read_rows())
-    # every chunk at once: queries padded to whole chunks, window = the L positions ending at the chunk's end
     nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)
+    all_k, all_v = state.buf_k, state.buf_v                                    # positions [base0, start + T)
     def grid(x, first, width):                     # positions [first, first + width) of x (x starts at base0)
         out = x.new_zeros(*x.shape[:-2], width, x.shape[-1]).to(dt)
         lo, hi = max(first, base0), min(first + width, start + T)
@@ -266,13 +385,10 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     def stacked(j, like):                          # [B, Hkv, nc, M(, D)], zero rows where a chunk has fewer
         ts = [like if r is None else r[j].to(dt) for r in rows]
         return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
-    cnt = stacked(2, torch.zeros(B, Hkv, 0, device=q.device, dtype=dt))
-    div = cnt.masked_fill(cnt == 0, 1).unsqueeze(-1)      # padding rows: 0 / 1 (gated counts may be < 1)
-    mean_k = stacked(0, torch.zeros(B, Hkv, 0, D, device=q.device, dtype=dt)) / div
-    mean_v = stacked(1, torch.zeros(B, Hkv, 0, v.shape[-1], device=q.device, dtype=dt)) / div
-    if state_key_weight is not None:
-        mean_k = mean_k * state_key_weight.view(1, Hkv, 1, 1, D) + state_key_bias.view(1, Hkv, 1, 1, D)
-    bias = cnt.log() if log_count_bias else torch.zeros_like(cnt).masked_fill(cnt == 0, float("-inf"))
+    empty = torch.zeros(B, Hkv, 0, device=q.device, dtype=dt)
+    stacked_rows = (stacked(0, empty.unsqueeze(-1).expand(B, Hkv, 0, D)),
+                    stacked(1, empty.unsqueeze(-1).expand(B, Hkv, 0, all_v.shape[-1])), stacked(2, empty))
+    mean_k, mean_v, bias = _state_read(stacked_rows, dt, state_key_weight, state_key_bias, log_count_bias)
     qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1)
     sl = _softcap(torch.matmul(chunks(qs), mean_k.transpose(-1, -2)) * scaling, softcap)
     p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)

@@ -6,8 +6,8 @@ import torch
 
 tf = pytest.importorskip("transformers")
 from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
-from kvmeans.pretrained.cache import KVMCacheLayer  # noqa: E402
-from kvmeans.pretrained.convert import convert_hf  # noqa: E402
+from kvmeans.pretrained.cache import ConvertedCacheLayer  # noqa: E402
+from kvmeans.pretrained.convert import convert_hf, converted_cache  # noqa: E402
 from tests.cli.test_kvm_flag import _lm_eval, _niah  # noqa: E402
 from tests.models.test_assisted import count_rollbacks, draft_tokens  # noqa: E402
 from tests.pretrained.test_convert import FAMILIES, SMALL, V, tiny  # noqa: E402
@@ -49,7 +49,7 @@ def test_left_padded_batch_logits_equal_each_row_alone(family):
         torch.testing.assert_close(out.logits[i, w - len(s):], alone, rtol=0, atol=1e-5)
     # the cache counts columns (pads included), as transformers slices inputs by it
     layer = cache_from(out).layers[model.config.kvm_conversion["layers"][0]]
-    assert isinstance(layer, KVMCacheLayer) and layer.get_seq_length() == w and len(layer.state.parts) == 3
+    assert isinstance(layer, ConvertedCacheLayer) and layer.get_seq_length() == w and len(layer.state.parts) == 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -98,7 +98,7 @@ def test_crop_then_continue_equals_never_having_gone_past(family):
     want_cache = tf.DynamicCache(config=model.config)
     logits(model, x[:, :45], want_cache)
     want = logits(model, x[:, 45:], want_cache)
-    cache = tf.DynamicCache(config=model.config)
+    cache = converted_cache(model)               # converted layers in place, so that recording reaches them
     cache.activate_past_recording()              # as generate does (Gemma3's plain sliding layers need it)
     logits(model, x[:, :44], cache)
     logits(model, torch.cat((x[:, 44:45], draft[:, 1:]), 1), cache)        # 44..51: crosses 48
@@ -110,7 +110,8 @@ def test_crop_then_continue_equals_never_having_gone_past(family):
 @torch.no_grad()
 def test_crop_before_the_snapshot_is_refused_in_one_line():
     model = convert_hf(tiny("llama"), **SMALL)
-    cache = tf.DynamicCache(config=model.config)
+    cache = converted_cache(model)
+    cache.activate_past_recording()
     x = torch.randint(1, V, (1, 50))
     logits(model, x[:, :40], cache)              # snapshot before the last 32 tokens: at column 8
     logits(model, x[:, 40:], cache)
@@ -120,12 +121,35 @@ def test_crop_before_the_snapshot_is_refused_in_one_line():
 
 
 @torch.no_grad()
+def test_recording_is_off_until_asked_for_and_then_counted():
+    """A cache records for crop only once asked (generate's assisted modes ask); its bytes say what it holds."""
+    model = convert_hf(tiny("llama"), **SMALL)
+    x = torch.randint(1, V, (1, 60), generator=torch.Generator().manual_seed(2))
+    plain = tf.DynamicCache(config=model.config)
+    logits(model, x, plain)
+    state = plain.layers[0].state
+    assert not state.recording and state.nbytes_by_kind()["recording"] == 0 and state._snapshot is None
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        plain.crop(-4)
+    recorded = converted_cache(model)
+    recorded.activate_past_recording()
+    logits(model, x, recorded)
+    kinds = recorded.layers[0].state.nbytes_by_kind()
+    assert kinds["recording"] > 0 and recorded.layers[0].nbytes == sum(kinds.values())
+    assert {k: v for k, v in kinds.items() if k != "recording"} == {k: v for k, v in state.nbytes_by_kind().items()
+                                                                     if k != "recording"}
+    recorded.crop(-4)                            # the last call's last tokens can be undone
+    assert recorded.get_seq_length() == 56
+
+
+@torch.no_grad()
 def test_what_crop_keeps_stays_bounded_and_the_last_call_can_be_undone():
     """Decoding 80 tokens one by one, then a 100-token call: a converted layer keeps the inputs of at most
     3 * replay_limit tokens, and crop still undoes the last call's last 32."""
     model = convert_hf(tiny("llama"), **SMALL)
     x = torch.randint(1, V, (1, 230), generator=torch.Generator().manual_seed(6))
-    cache = tf.DynamicCache(config=model.config)
+    cache = converted_cache(model)
+    cache.activate_past_recording()
     logits(model, x[:, :40], cache)
     state = cache.layers[0].state
     for t in range(40, 120):
@@ -146,7 +170,7 @@ def test_assisted_decoding_with_a_converted_draft_equals_greedy(monkeypatch):
     x = torch.randint(1, V, (1, 45), generator=torch.Generator().manual_seed(2))
     want = model.generate(x, max_new_tokens=30, **GREEDY)
     draft = draft_tokens(convert_hf(tiny("llama", seed=7), **SMALL), 5)
-    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
+    seen = count_rollbacks(monkeypatch, ConvertedCacheLayer)
     out = model.generate(x, max_new_tokens=30, assistant_model=draft, **GREEDY)
     assert torch.equal(out, want)
     assert any(a // 8 != b // 8 for a, b in seen), seen           # some rollbacks crossed a chunk boundary
@@ -157,7 +181,7 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(monkeypatch):
     model = convert_hf(tiny("llama"), **SMALL)
     x = torch.arange(1, 12).repeat(4)[None]                        # 44 tokens: a phrase four times
     want = model.generate(x, max_new_tokens=30, **GREEDY)
-    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
+    seen = count_rollbacks(monkeypatch, ConvertedCacheLayer)
     out = model.generate(x, max_new_tokens=30, prompt_lookup_num_tokens=5, **GREEDY)
     assert torch.equal(out, want)
     assert seen                                                    # some lookups were wrong and undone

@@ -10,7 +10,7 @@ import torch
 tf = pytest.importorskip("transformers")
 from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
 from kvmeans.ops.budget import StateBudget  # noqa: E402
-from kvmeans.pretrained.cache import KVMCacheLayer, cache_nbytes  # noqa: E402
+from kvmeans.pretrained.cache import ConvertedCacheLayer, cache_nbytes  # noqa: E402
 from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention, rotate, unrotate  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_prefill_then_token_by_token_decode_equals_one_forward(family):
         parts.append(out.logits)
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
     layer = cache.layers[model.config.kvm_conversion["layers"][0]]
-    assert isinstance(layer, KVMCacheLayer) and layer.state.seen == 100 and layer.state.num_rows == 8
+    assert isinstance(layer, ConvertedCacheLayer) and layer.state.seen == 100 and layer.state.num_rows == 8
 
 
 @torch.no_grad()
@@ -225,6 +225,7 @@ def test_state_rows_are_read_at_a_fixed_relative_position(mode):
     dist = d if mode == "pre_rope_fixed" else 0
     out = converted_kvm_attention(rq, rk, v, ConvertedKVMState(), scaling=D ** -0.5, budget=1000, chunk_len=C,
                                   n_bswa_chunks=n, sink_len=1, rope_mode=mode, cos=cos, sin=sin,
+                                  rope=lambda pos: (cos_all[pos], sin_all[pos]),
                                   cos_d=cos_all[dist], sin_d=sin_all[dist])
     kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
     ref = torch.empty_like(out)

@@ -12,7 +12,7 @@ from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention
 
 tf = pytest.importorskip("transformers")
 from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
-from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
+from kvmeans.pretrained.convert import KVMSpec, convert_hf, converted_cache, load_converted, parse_kvm_spec  # noqa: E402
 from tests.pretrained.test_batch import left_pad, positions, rows  # noqa: E402
 from tests.pretrained.test_convert import ids, tiny  # noqa: E402
 
@@ -199,7 +199,8 @@ def test_save_load_left_padding_and_crop_keep_the_reserve(tmp_path):
 def assert_crop_replays(model):
     """A rejected draft that crossed a chunk boundary (48), cropped: the next tokens as if never drafted."""
     x, draft = ids(80, B=1, seed=4), ids(7, B=1, seed=5)
-    want_cache, cache = tf.DynamicCache(config=model.config), tf.DynamicCache(config=model.config)
+    want_cache, cache = tf.DynamicCache(config=model.config), converted_cache(model)
+    cache.activate_past_recording()
     model(x[:, :45], **cache_kwargs(want_cache), use_cache=True)
     want = model(x[:, 45:], **cache_kwargs(want_cache), use_cache=True).logits
     model(x[:, :44], **cache_kwargs(cache), use_cache=True)
@@ -211,7 +212,7 @@ def assert_crop_replays(model):
 def test_learned_read_out_gates_the_reserved_tokens():
     """With learned=True a slot holds g*k, g*v and count g: perturbed read-out parameters still decode like one
     forward, and gradients reach the merge gate."""
-    from test_distill import perturb
+    from tests.pretrained.test_distill import perturb
     model = convert_hf(tiny("llama"), learned=True, **RESERVE)
     perturb(model)
     x = ids(100)
