@@ -11,21 +11,17 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from kvmeans.eval import ruler
+from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, streaming_arm
 from kvmeans.pretrained.bench import (
     ARMS,
     DEFAULT_KVM,
-    Arm,
     _recall_setting,
     _settings,
     _write,
     all_samples,
-    distilled_arm,
     kept_keys,
-    kvm_arm,
-    kvm_settings,
     merge_kvpress,
     ppl_row,
-    streaming_arm,
     tables,
     write_samples,
 )
