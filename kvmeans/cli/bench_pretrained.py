@@ -26,6 +26,7 @@ from kvmeans.pretrained.bench import (
     write_samples,
 )
 from kvmeans.utils.args import UsageError, check_out_dir
+from kvmeans.utils.progress import progress_bar
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -133,10 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = {k: v for k, v in vars(a).items()}
     settings["kvm_settings"] = kvm
     print(format_env(info), flush=True)
-    bar = None
-    if not a.no_progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+    bar = progress_bar(total, not a.no_progress, unit="run")
     tick = bar.update if bar is not None else None
 
     def record(row, ans=()):
