@@ -200,10 +200,10 @@ def hf_cache_layers(cache) -> List[Dict[str, Any]]:
     """Per layer of a transformers cache: a converted layer (``kvm``) reports its state rows and the tokens
     buffered for the window; a plain one (``attention``) its key/value tokens. ``nbytes`` as
     :func:`~kvmeans.pretrained.cache.cache_nbytes` counts them."""
-    from kvmeans.pretrained.cache import KVMCacheLayer
+    from kvmeans.pretrained.cache import ConvertedCacheLayer
     rows = []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, KVMCacheLayer):
+        if isinstance(layer, ConvertedCacheLayer):
             st = layer.state
             rows.append({"layer": i, "mixer": "kvm", "nbytes": int(st.nbytes), "mixer_nbytes": int(st.nbytes),
                          "used_nbytes": int(st.nbytes), "state_rows": st.num_rows,

@@ -1,7 +1,7 @@
 """The cache of a converted transformers model: a KVM layer in place of the KV cache of each converted layer.
 
 Any transformers ``Cache`` works (``generate`` builds its usual ``DynamicCache``): the first call of a
-converted layer swaps that layer's entry for a :class:`KVMCacheLayer`, which keeps a
+converted layer swaps that layer's entry for a :class:`ConvertedCacheLayer`, which keeps a
 ``ConvertedBatchState`` (per group of rows: merged rows + exact window, bounded) instead of every key and
 value. It takes left-padded batches and ``crop`` (assisted / prompt-lookup decoding) as that class
 describes (``kvmeans.pretrained.batch``).
@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
 from kvmeans.pretrained.batch import ConvertedBatchState
 
 
-class KVMCacheLayer(CacheLayerMixin):
+class ConvertedCacheLayer(CacheLayerMixin):
     """One converted layer's cache: ``update`` passes the new keys/values through untouched (the KVM
     attention consumes them into ``state``); ``get_seq_length`` counts every column seen, pads included."""
 
@@ -71,11 +71,11 @@ class KVMCacheLayer(CacheLayerMixin):
         return self.state.nbytes
 
     def __repr__(self) -> str:
-        return f"KVMCacheLayer({self.state})"
+        return f"ConvertedCacheLayer({self.state})"
 
 
-def kvm_cache_layer(cache: Cache, layer_idx: int) -> KVMCacheLayer:
-    """The :class:`KVMCacheLayer` of ``layer_idx`` in ``cache``, swapped in on first use."""
+def kvm_cache_layer(cache: Cache, layer_idx: int) -> ConvertedCacheLayer:
+    """The :class:`ConvertedCacheLayer` of ``layer_idx`` in ``cache``, swapped in on first use."""
     if isinstance(cache, EncoderDecoderCache):
         cache = cache.self_attention_cache
     while len(cache.layers) <= layer_idx:
@@ -83,11 +83,11 @@ def kvm_cache_layer(cache: Cache, layer_idx: int) -> KVMCacheLayer:
             raise ValueError(f"the cache has {len(cache.layers)} layers; layer {layer_idx} is missing")
         cache.layers.append(cache.layer_class_to_replicate())
     layer = cache.layers[layer_idx]
-    if not isinstance(layer, KVMCacheLayer):
+    if not isinstance(layer, ConvertedCacheLayer):
         if layer.is_initialized and layer.get_seq_length() > 0:
             raise ValueError(f"cache layer {layer_idx} already holds {layer.get_seq_length()} tokens of plain "
                              "keys/values; pass a fresh cache (or none) to a converted model")
-        layer = cache.layers[layer_idx] = KVMCacheLayer()
+        layer = cache.layers[layer_idx] = ConvertedCacheLayer()
     return layer
 
 
@@ -97,7 +97,7 @@ def cache_nbytes(cache: Cache) -> int:
         cache = cache.self_attention_cache
     total = 0
     for layer in cache.layers:
-        if isinstance(layer, KVMCacheLayer):
+        if isinstance(layer, ConvertedCacheLayer):
             total += layer.nbytes
         else:
             total += sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None),

@@ -6,7 +6,7 @@ import torch
 
 tf = pytest.importorskip("transformers")
 from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
-from kvmeans.pretrained.cache import KVMCacheLayer  # noqa: E402
+from kvmeans.pretrained.cache import ConvertedCacheLayer  # noqa: E402
 from kvmeans.pretrained.convert import convert_hf  # noqa: E402
 from tests.cli.test_kvm_flag import _lm_eval, _niah  # noqa: E402
 from tests.models.test_assisted import count_rollbacks, draft_tokens  # noqa: E402
@@ -49,7 +49,7 @@ def test_left_padded_batch_logits_equal_each_row_alone(family):
         torch.testing.assert_close(out.logits[i, w - len(s):], alone, rtol=0, atol=1e-5)
     # the cache counts columns (pads included), as transformers slices inputs by it
     layer = cache_from(out).layers[model.config.kvm_conversion["layers"][0]]
-    assert isinstance(layer, KVMCacheLayer) and layer.get_seq_length() == w and len(layer.state.parts) == 3
+    assert isinstance(layer, ConvertedCacheLayer) and layer.get_seq_length() == w and len(layer.state.parts) == 3
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,7 +146,7 @@ def test_assisted_decoding_with_a_converted_draft_equals_greedy(monkeypatch):
     x = torch.randint(1, V, (1, 45), generator=torch.Generator().manual_seed(2))
     want = model.generate(x, max_new_tokens=30, **GREEDY)
     draft = draft_tokens(convert_hf(tiny("llama", seed=7), **SMALL), 5)
-    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
+    seen = count_rollbacks(monkeypatch, ConvertedCacheLayer)
     out = model.generate(x, max_new_tokens=30, assistant_model=draft, **GREEDY)
     assert torch.equal(out, want)
     assert any(a // 8 != b // 8 for a, b in seen), seen           # some rollbacks crossed a chunk boundary
@@ -157,7 +157,7 @@ def test_prompt_lookup_on_repetitive_text_equals_greedy(monkeypatch):
     model = convert_hf(tiny("llama"), **SMALL)
     x = torch.arange(1, 12).repeat(4)[None]                        # 44 tokens: a phrase four times
     want = model.generate(x, max_new_tokens=30, **GREEDY)
-    seen = count_rollbacks(monkeypatch, KVMCacheLayer)
+    seen = count_rollbacks(monkeypatch, ConvertedCacheLayer)
     out = model.generate(x, max_new_tokens=30, prompt_lookup_num_tokens=5, **GREEDY)
     assert torch.equal(out, want)
     assert seen                                                    # some lookups were wrong and undone
