@@ -430,6 +430,19 @@ def test_sweep_every_split_then_decode(case):
             compare((y_ref, s_ref, {}), (torch.cat(ys, 2), state, {}))
 
 
+def test_fixed_tiles_are_autotune_candidates(monkeypatch):
+    """KVMEANS_TRITON_AUTOTUNE=0 launches FIXED_META: it must be a tile the autotuner itself would try."""
+    from kvmeans.ops.triton import decode, update
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "0")
+    assert not tri_attn.autotuned()
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "1")
+    assert tri_attn.autotuned()
+    for fixed, configs in ((tri_attn.FIXED_META, tri_attn._FWD_CONFIGS), (tri_attn.FIXED_META, tri_attn._BWD_CONFIGS),
+                           (decode.FIXED_META, decode._CONFIGS), (update.FIXED_META, update._CONFIGS)):
+        tried = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+        assert any(all(t.get(k) == v for k, v in fixed.items()) for t in tried), (fixed, tried)
+
+
 # ---- compiled kernels on a GPU ---------------------------------------------------------------
 GPU_CASES = [
     (1000, 64, 2, 1, StateBudget.fixed(128), 8, 2, 32),

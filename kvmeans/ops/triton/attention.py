@@ -31,6 +31,7 @@ in ``kvmeans.ops.chunk`` chains to it (gradients reach k, v, gate, LN_s affine t
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -49,6 +50,14 @@ _BWD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_sta
                 for m, n, w, s in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 3),
                                    (128, 64, 8, 2), (16, 32, 2, 2)]]
 INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
+FIXED_META = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def autotuned() -> bool:
+    """Compiled kernels try their candidate tiles once per shape key unless ``KVMEANS_TRITON_AUTOTUNE=0``, which
+    launches one fixed tile (the tests set it: they check values, and autotuning compiles every candidate for every
+    new shape, minutes for the test files on a GPU)."""
+    return os.environ.get("KVMEANS_TRITON_AUTOTUNE", "1") != "0"
 
 
 @triton.jit
@@ -325,6 +334,8 @@ def _launch(name, grid, *args, **consts):
     """Autotuned launch on GPU; a fixed small tile under the interpreter (autotuning there only burns time)."""
     if INTERPRETED:
         _PLAIN[name][grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _PLAIN[name][grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED[name][grid](*args, **consts)
 

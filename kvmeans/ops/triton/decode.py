@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, autotuned, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]
+FIXED_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # KVMEANS_TRITON_AUTOTUNE=0
 INTERPRET_META = {"BLOCK_N": 16}
 
 
@@ -111,6 +112,8 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
     consts = dict(REP=REP, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_M=block_m)
     if INTERPRETED:
         _decode_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _decode_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED[grid](*args, **consts)
     return out

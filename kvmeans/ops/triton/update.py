@@ -25,10 +25,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kvmeans.ops.routing import route_overflow
-from kvmeans.ops.triton.attention import INTERPRETED, _pow2, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _pow2, autotuned, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
             for t, n, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (16, 64, 2)]]
+FIXED_META = {"BLOCK_T": 64, "BLOCK_N": 64, "num_warps": 4}   # KVMEANS_TRITON_AUTOTUNE=0
 INTERPRET_META = {"BLOCK_T": 16, "BLOCK_N": 16}
 
 
@@ -98,6 +99,8 @@ def route_scores(sel: Tensor, rows_hat: Tensor, sink_len: int):
     grid = lambda META: (triton.cdiv(N, META["BLOCK_T"]), B * Hkv)
     if INTERPRETED:
         _route_scores_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _route_scores_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED_SCORES[grid](*args, **consts)
     return best, target.long(), novel
