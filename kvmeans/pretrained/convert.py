@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from kvmeans.models.hf_compat import cache_from, cache_kwargs
+from kvmeans.models.hf_compat import CACHE_KWARG, cache_from, cache_kwargs
 from kvmeans.ops.budget import StateBudget, as_budget
 from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
@@ -298,10 +298,8 @@ def _segmented(model, inner, named: dict, x: torch.Tensor, segment: int, keep: i
         elif want:
             logits.append(out.logits[:, -want:])
     out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
-    if not use_cache:
-        for field in ("cache", "past_key_values"):
-            if field in out:
-                out[field] = None
+    if not use_cache and out.get(CACHE_KWARG) is not None:
+        out[CACHE_KWARG] = None     # the installed name only: 5.24 warns on the old one
     return out if return_dict is not False else out.to_tuple()
 
 
