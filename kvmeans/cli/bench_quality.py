@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=float, default=0.125, help="kept keys as a fraction of the length (default 0.125)")
     p.add_argument("--kvm", default=DEFAULT_KVM, metavar="SPEC", help="training-free KVM settings (budget and window "
                    f"set from the kept keys; default {DEFAULT_KVM}); 'none': no KVM arm")
+    p.add_argument("--auto", action="store_true", help="add the kvm-auto arm: the split convert_hf(model) calibrates "
+                   "per model on built-in text, at each cell's kept keys")
     p.add_argument("--distilled", nargs="+", default=[], metavar="NAME=DIR", help="a distilled folder per model "
                    "(NAME: the model folder's name)")
     p.add_argument("--kvpress-results", nargs="+", default=[], metavar="FILE",
@@ -79,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "kvm_settings": kvm, "env": env_info("cpu")}
     rows = run_protocol(a.models, a.corpora, a.lengths, windows, a.keep, kvm, distilled, a.tune_model,
                         a.tune_corpus, out, a.seed, log=lambda m: print(m, file=sys.stderr, flush=True),
-                        settings=settings)
+                        settings=settings, auto=a.auto)
     rows = merge_kvpress(rows, kvpress)
     write_outputs(out, settings, rows)
     print(format_tables(rows))

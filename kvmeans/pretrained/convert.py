@@ -120,7 +120,7 @@ class KVMSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVMSpec":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k != "calibration"}     # the record of how they were chosen
         d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
@@ -141,9 +141,14 @@ def _parse_layers(text: str) -> Union[str, list]:
 
 def parse_kvm_spec(text: str) -> dict:
     """``"budget=fixed:128,chunk_len=64,n_bswa_chunks=2,sink_len=4"`` -> the keyword arguments of
-    :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields)."""
+    :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields); ``"auto"`` (or ``"auto,layers=..."``):
+    the settings a calibration pass picks (``calibrate=True``)."""
     fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
     out = {}
+    items = [s.strip() for s in text.split(",")]
+    if "auto" in items:
+        out["calibrate"] = True
+        text = ",".join(s for s in items if s != "auto")
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, val = item.partition("=")
         if not eq or (key not in fields and key != "layers"):
@@ -164,7 +169,7 @@ def parse_kvm_spec(text: str) -> dict:
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
-    KVMSpec(**{k: v for k, v in out.items() if k != "layers"})        # validate now, with the spec's messages
+    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate")})    # validate now: the spec's messages
     return out
 
 
@@ -329,15 +334,29 @@ def _prepare_cache(self, *args, **kwargs):
     return result
 
 
-def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
+def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: Optional[bool] = None,
+               calibration=None, tokenizer=None, **settings):
     """Give ``model`` (a transformers causal LM of a family in ``FAMILIES``) training-free KVM attention in
     ``layers`` ("all": every global-attention layer; sliding-window layers of Gemma2/3 keep their window).
     ``settings`` are :class:`KVMSpec` fields; ``rope_mode`` defaults to ``pre_rope_fixed`` with RoPE and
-    ``none`` without. Converts in place and returns ``model``."""
+    ``none`` without. With no settings (or ``calibrate=True``) the window / state / exact-row split of the kept
+    keys is chosen by a short calibration pass (:mod:`kvmeans.pretrained.calibrate`; on ``calibration`` token ids
+    ``[N, T]`` if given, else built-in text through ``tokenizer`` or the model's own, loaded from its folder), and
+    recorded under ``calibration`` in ``config.kvm_conversion``; ``calibrate=False`` with no settings takes
+    :class:`KVMSpec`'s defaults. Converts in place and returns ``model``."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     family = cfg.model_type
     if family not in FAMILIES:
         raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}")
+    record = None
+    if calibrate or (calibrate is None and not settings):
+        from kvmeans.pretrained.calibrate import DEFAULT_KEYS
+        from kvmeans.pretrained.calibrate import calibrate as _calibrate
+        _check_rope_kind(cfg)
+        keys = settings.pop("keys", DEFAULT_KEYS)
+        chosen = _calibrate(model, keys, windows=calibration, tokenizer=tokenizer, base=settings or None)
+        record = chosen.pop("calibration")
+        settings = chosen
     has_rope = FAMILIES[family]
     settings.setdefault("rope_mode", "pre_rope_fixed" if has_rope else "none")
     if not has_rope and settings["rope_mode"] != "none":
@@ -381,7 +400,16 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
             model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
         model._kvm_forward = True
     model.config.kvm_conversion = {"layers": chosen, **spec.to_dict()}
+    if record is not None:
+        model.config.kvm_conversion["calibration"] = record
     return model
+
+
+def _check_rope_kind(cfg) -> None:
+    """Dynamic RoPE is refused before a calibration pass spends minutes on it."""
+    if "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
+        raise ValueError("rope_mode='pre_rope_fixed' reads RoPE at a fixed position, which dynamic RoPE (scaled by "
+                         "the sequence length) does not have; use rope_mode='post_rope'")
 
 
 def load_converted(path, settings: Optional[dict] = None, **from_pretrained_kwargs):
@@ -394,9 +422,13 @@ def load_converted(path, settings: Optional[dict] = None, **from_pretrained_kwar
     if not stored:
         raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "
                          "load it with from_pretrained and call kvmeans.convert_hf")
-    settings = {**stored, **(settings or {})}
+    override = settings or {}
+    settings = {**stored, **override}
     layers = settings.pop("layers")
+    record = settings.pop("calibration", None)
     model = convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
+    if record is not None and not override:      # the stored settings as they were chosen: keep the record
+        model.config.kvm_conversion["calibration"] = record
     if settings.get("learned"):
         _load_learned(model, Path(path))
     return model

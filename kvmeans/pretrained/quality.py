@@ -17,6 +17,8 @@ the corpus, seeded) and every compressed arm keeps the same number of keys, ``K 
   the tokens' own);
 * ``kvm``: :func:`kvmeans.convert_hf` at ``K`` keys (``--kvm`` settings, their window shrunk to at most ``K / 2``
   and the rest a fixed state budget: :func:`kvmeans.pretrained.arms.kvm_settings`);
+* ``kvm-auto``: (``--auto``) the split :func:`kvmeans.pretrained.calibrate.calibrate` picks for the model on the
+  built-in calibration text (once per model, at 260 keys), spent at the cell's ``K``;
 * ``kvm-distilled``: a distilled folder per model (``--distilled``), its read-out at ``K`` keys;
 * kvpress' presses, run in their own venv on the windows written here (``windows.jsonl``,
   ``benchmarks/kvpress/run_kvpress.py --windows``) and merged with ``--kvpress-results``.
@@ -186,13 +188,14 @@ def write_outputs(out: Path, settings: Dict[str, Any], rows: Sequence[Dict[str, 
 def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequence[int], windows: Sequence[int],
                  keep: float, kvm: Optional[dict], distilled: Dict[str, str], tune_model: str, tune_corpus: str,
                  out: Path, seed: int = 0, log: Callable[[str], None] = print,
-                 settings: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+                 settings: Optional[Dict[str, Any]] = None, auto: bool = False) -> List[Dict[str, Any]]:
     """Every cell of ``models x corpora x lengths`` (see the module docstring); returns the rows and writes the
     outputs after every cell."""
     from transformers import AutoModelForCausalLM
 
     from kvmeans.models.load import load_hf_tokenizer
     from kvmeans.pretrained.arms import converted_arm, kvm_settings
+    from kvmeans.pretrained.calibrate import CANDIDATES, calibrate, calibration_windows, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
     records: List[Dict[str, Any]] = []
@@ -203,6 +206,12 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         max_len = getattr(plain.config, "max_position_embeddings", None)
         token_cache: Dict[str, List[List[int]]] = {}
+        split = None
+        if auto:        # once per model, on the built-in calibration text (never on the corpora scored here)
+            chosen = calibrate(plain, windows=calibration_windows(tok))
+            split = next(c for c in CANDIDATES if c.name == chosen["calibration"]["chosen"])
+            settings.setdefault("calibration", {})[name] = chosen["calibration"]
+            log(f"{name}: calibrated split {split.name} ({chosen['calibration']['seconds']} s)")
         for length, n in zip(lengths, windows):
             if max_len and length > max_len:
                 log(f"{name}: skipping length {length} (beyond its {max_len} positions)")
@@ -211,6 +220,9 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
             arms = [Arm("full", plain), streaming_arm(plain, keys, SINKS)]
             if kvm is not None:
                 arms.append(converted_arm("kvm", convert_hf(copy.deepcopy(plain), **kvm_settings(keys, kvm)), length))
+            if split is not None:
+                arms.append(converted_arm("kvm-auto", convert_hf(copy.deepcopy(plain), **split_settings(split, keys)),
+                                          length))
             if name in distilled:               # its learned read-out at this cell's kept keys
                 with open(Path(distilled[name]) / "config.json", encoding="utf-8") as f:
                     stored = json.load(f)["kvm_conversion"]

@@ -1,0 +1,171 @@
+"""Automatic conversion settings: a short calibration pass on generic text (``convert_hf(model)`` with no settings).
+
+At a given number of kept keys ``K`` (default 260: 12.7% of a 2048-token context), how to split them between the
+exact window and the state, and how much of the state to keep as exact single-token rows, depends on the model:
+a model whose heads read mostly nearby tokens wants a long window, one that retrieves wants state rows. The pass
+scores a few splits (:data:`CANDIDATES`, written as shares of ``K`` so a choice carries to any ``K``) by the
+next-token loss of the tokens past the first ``K`` of a few calibration windows, and keeps the best one.
+
+Calibration text (:func:`calibration_windows`): windows of the built-in Shakespeare distractor (plays) and of this
+package's own Python source (code and English docstrings), tokenized by the model's tokenizer; or token ids the
+caller passes. The choice, the candidates' losses and the text are recorded under ``calibration`` in
+``config.kvm_conversion``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gzip
+import json
+import math
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "calibration_windows", "calibrate"]
+
+DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
+SINKS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A way to spend ``K`` kept keys: chunks of ``chunk_len``, a window of about ``window_share * K`` keys (whole
+    chunks), the rest a fixed state budget of which ``exact_share`` are exact single-token rows."""
+    chunk_len: int
+    window_share: float
+    exact_share: float
+
+    @property
+    def name(self) -> str:
+        return f"C{self.chunk_len}-w{self.window_share:.2f}-e{self.exact_share:.2f}"
+
+
+# window 128 / 192 / 224 keys of 260 (about half, three quarters, seven eighths), with and without exact rows
+CANDIDATES = (
+    Split(32, 0.5, 0.0), Split(32, 0.5, 0.25),
+    Split(32, 0.75, 0.0), Split(32, 0.75, 0.25),
+    Split(16, 0.875, 0.0), Split(16, 0.875, 0.45),
+)
+
+
+def split_settings(split: Split, keys: int, sink_len: int = SINKS) -> dict:
+    """``convert_hf`` settings spending ``keys`` kept keys as ``split`` says: ``n_bswa_chunks`` whole chunks of
+    window (at least one), a fixed ``budget`` of the rest (at least one chunk plus the sinks: the mean pool keeps the
+    first chunk's rows) and ``exact_rows`` (at most ``budget - chunk_len``). Raises ``ValueError`` when ``keys``
+    cannot hold one chunk of window and a budget."""
+    from kvmeans.ops.budget import StateBudget
+    C = split.chunk_len
+    least = C + max(C, sink_len + 1)
+    if keys < least:
+        raise ValueError(f"keys={keys} cannot hold a {C}-token chunk of window and a state budget of at least "
+                         f"{max(C, sink_len + 1)} rows; give keys >= {least} or a split with a shorter chunk_len")
+    n = max(1, min(round(split.window_share * keys / C), (keys - max(C, sink_len + 1)) // C))
+    budget = keys - n * C
+    exact = min(round(split.exact_share * budget), budget - C)
+    return {"chunk_len": C, "n_bswa_chunks": n, "sink_len": sink_len, "budget": StateBudget.fixed(budget),
+            "exact_rows": max(0, exact)}
+
+
+def _package_source() -> str:
+    """This package's Python source, files in sorted path order (code with English docstrings)."""
+    root = Path(__file__).resolve().parents[1]
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py")))
+
+
+def _plays() -> str:
+    path = Path(__file__).resolve().parents[1] / "eval" / "data" / "shakespeare_distractor.json.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return json.load(f)["text"]
+
+
+def calibration_windows(tokenizer, length: int = 1024, per_text: int = 1) -> torch.Tensor:
+    """``[2 * per_text, length]`` token ids: ``per_text`` windows of plays and of Python source each, taken from
+    the middle of each text (tokenized with ``tokenizer``)."""
+    out = []
+    for text in (_plays(), _package_source()):
+        ids = tokenizer(text[: 40 * length * (per_text + 1)], return_tensors="pt",
+                        add_special_tokens=False).input_ids[0]
+        if ids.numel() < length * per_text:
+            raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than {per_text} x {length}")
+        start = (ids.numel() - length * per_text) // 2
+        out += [ids[start + i * length: start + (i + 1) * length] for i in range(per_text)]
+    return torch.stack(out)
+
+
+def _tokenizer_of(model):
+    from transformers import AutoTokenizer
+    path = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if not path:
+        raise ValueError("calibration needs token ids: the model has no name_or_path to load its tokenizer from; "
+                         "pass calibration=<LongTensor [N, T]> or tokenizer=... to convert_hf, or give settings")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"calibration could not load the tokenizer of {path!r} ({e}); pass tokenizer=... or "
+                         "calibration=<token ids> to convert_hf, or give settings") from e
+
+
+def _tail_nll(model, windows: torch.Tensor, keys: int) -> float:
+    """Mean next-token NLL of the tokens after the first ``keys`` of every window (where compression acts)."""
+    from kvmeans.pretrained.arms import token_nll
+    nll = torch.cat([token_nll(model, w[None])[0, keys:] for w in windows])
+    return nll.double().mean().item()
+
+
+def calibrate(model, keys: int = DEFAULT_KEYS, *, windows: Optional[torch.Tensor] = None, tokenizer=None,
+              length: int = 1024, candidates: Sequence[Split] = CANDIDATES, base: Optional[dict] = None,
+              progress: bool = True) -> dict:
+    """Pick ``convert_hf`` settings for ``model`` at ``keys`` kept keys: every split in ``candidates`` converts a
+    copy of ``model`` and is scored on ``windows`` (``[N, T]`` ids; default :func:`calibration_windows` with the
+    model's tokenizer). ``base``: other settings every candidate gets. Returns the best settings with a
+    ``calibration`` record (candidates, their losses, the text, seconds). ``model`` itself is not changed."""
+    from kvmeans.pretrained.convert import convert_hf
+    from kvmeans.utils.progress import progress_bar
+    t0 = time.perf_counter()
+    if windows is None:
+        windows = calibration_windows(tokenizer or _tokenizer_of(model), length)
+        text = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source, 1 window each"
+    else:
+        text = "caller's token ids"
+    if windows.dim() != 2 or windows.shape[1] <= keys + 1:
+        raise ValueError(f"calibration windows must be [N, T] with T > keys + 1 = {keys + 1}, got "
+                         f"{tuple(windows.shape)}")
+    was_training = model.training
+    model.eval()
+    scored: List[Dict] = []
+    bar = progress_bar(len(candidates), enabled=progress, terminal=True, desc="calibrating KVM settings")
+    for split in candidates:
+        if bar is not None:
+            bar.update()
+        try:
+            settings = {**(base or {}), **split_settings(split, keys)}
+        except ValueError:
+            continue
+        trial = convert_hf(copy.deepcopy(model), **settings)
+        scored.append({"split": split.name, "settings": _plain(settings), "nll": _tail_nll(trial, windows, keys)})
+        del trial
+    model.train(was_training)
+    if bar is not None:
+        bar.close()
+    if not scored:
+        raise ValueError(f"keys={keys}: no calibration candidate fits; give more keys or settings")
+    best = min(scored, key=lambda s: s["nll"])
+    chosen = {**(base or {}), **split_settings(_by_name(candidates, best["split"]), keys)}
+    chosen["calibration"] = {
+        "keys": keys, "text": text, "windows": list(windows.shape), "chosen": best["split"],
+        "candidates": [{"split": s["split"], "tail_ppl": round(math.exp(s["nll"]), 4)} for s in scored],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return chosen
+
+
+def _by_name(candidates: Sequence[Split], name: str) -> Split:
+    return next(c for c in candidates if c.name == name)
+
+
+def _plain(settings: dict) -> dict:
+    b = settings.get("budget")
+    return {**settings, "budget": dataclasses.asdict(b) if dataclasses.is_dataclass(b) else b}

@@ -1,0 +1,100 @@
+"""convert_hf(model) with no settings: the calibration pass (kvmeans.pretrained.calibrate) picks the split of the
+kept keys with the lowest loss, records it, and a saved model reloads with it."""
+import json
+import math
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+from kvmeans.ops.budget import StateBudget  # noqa: E402
+from kvmeans.pretrained.calibrate import (  # noqa: E402
+    CANDIDATES,
+    Split,
+    calibrate,
+    calibration_windows,
+    split_settings,
+)
+from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted  # noqa: E402
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("keys", [64, 100, 260, 1024])
+@pytest.mark.parametrize("split", CANDIDATES, ids=lambda s: s.name)
+def test_split_spends_exactly_the_kept_keys(split, keys):
+    s = split_settings(split, keys)
+    window = s["n_bswa_chunks"] * s["chunk_len"]
+    assert window + s["budget"].n == keys
+    assert s["n_bswa_chunks"] >= 1 and s["budget"].n >= s["chunk_len"]
+    assert 0 <= s["exact_rows"] <= s["budget"].n - s["chunk_len"]
+    KVMSpec(**s)            # valid settings
+
+
+def test_split_refuses_too_few_keys():
+    with pytest.raises(ValueError, match="keys=40 cannot hold"):
+        split_settings(Split(32, 0.5, 0.0), 40)
+
+
+def test_calibrate_picks_the_lowest_loss_and_leaves_the_model_alone():
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 160), generator=torch.Generator().manual_seed(1))
+    cands = (Split(8, 0.5, 0.0), Split(8, 0.75, 0.0), Split(8, 0.5, 0.5))
+    chosen = calibrate(model, 48, windows=ids, candidates=cands, progress=False)
+    rec = chosen.pop("calibration")
+    assert [c["split"] for c in rec["candidates"]] == [c.name for c in cands]
+    best = min(rec["candidates"], key=lambda c: c["tail_ppl"])
+    assert rec["chosen"] == best["split"]
+    assert chosen == split_settings(next(c for c in cands if c.name == best["split"]), 48)
+    # the recorded loss is the converted model's on the tokens past the kept keys
+    from kvmeans.pretrained.arms import token_nll
+    trial = convert_hf(tiny(), **chosen)
+    nll = torch.cat([token_nll(trial, w[None])[0, 48:] for w in ids]).double().mean().item()
+    assert math.exp(nll) == pytest.approx(best["tail_ppl"], rel=1e-3)
+    assert not hasattr(model.config, "kvm_conversion")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_bare_convert_calibrates_records_and_reloads(tmp_path):
+    ids = torch.randint(0, 97, (2, 300), generator=torch.Generator().manual_seed(2))
+    model = convert_hf(tiny(), calibration=ids)
+    conv = model.config.kvm_conversion
+    assert conv["calibration"]["chosen"] in {c.name for c in CANDIDATES}
+    assert conv["calibration"]["keys"] == 260
+    assert conv["budget"]["n"] + conv["n_bswa_chunks"] * conv["chunk_len"] == 260
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())["kvm_conversion"]
+    assert stored["calibration"] == conv["calibration"]
+    again = load_converted(tmp_path).eval()
+    assert again.config.kvm_conversion == conv
+    x = torch.randint(0, 97, (1, 400))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, model(x).logits)
+
+
+def test_settings_skip_calibration_and_calibrate_false_takes_defaults():
+    m = convert_hf(tiny(), budget=StateBudget.fixed(64))
+    assert "calibration" not in m.config.kvm_conversion
+    m = convert_hf(tiny(), calibrate=False)
+    assert "calibration" not in m.config.kvm_conversion
+    assert m.config.kvm_conversion["n_bswa_chunks"] == KVMSpec().n_bswa_chunks
+
+
+def test_calibration_needs_token_ids_or_a_tokenizer():
+    with pytest.raises(ValueError, match="calibration needs token ids"):
+        convert_hf(tiny())
+
+
+def test_calibration_windows_mix_plays_and_code(llama_dir):
+    tok = tf.AutoTokenizer.from_pretrained(llama_dir)
+    w = calibration_windows(tok, 256)
+    assert w.shape == (2, 256)
+    plays, code = (tok.decode(x) for x in w)
+    assert "def " in code or "import " in code or "self." in code
+    assert "def " not in plays
