@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=PRESSES)
     p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75])
     p.add_argument("--benches", nargs="+", help="only these benches of the samples (e.g. niah)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="most tokens an answer may have, for samples without a budget of their own")
     p.add_argument("--threads", type=int)
     a = p.parse_args(argv)
     if not all(0 < r < 1 for r in a.ratios):
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
         for (bench, length), group in groups.items():
             got = []
             for s in group:
-                r = run_sample(pipe, make_press(name, ratio or 0.0), s, a.max_new_tokens)
+                budget = s.get("max_new_tokens", a.max_new_tokens)        # a RULER task's own budget
+                r = run_sample(pipe, make_press(name, ratio or 0.0), s, budget)
                 got.append({"id": s["id"], "sha256": s["sha256"], "arm": f"kvpress {name}", "ratio": ratio,
                             "correct": correct(r["pred"], s["answers"]), "context_tokens": len(s["context_ids"]), **r})
             rows.append(row_of(name, ratio, bench, length, got))

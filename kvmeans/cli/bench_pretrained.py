@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from kvmeans.eval import ruler
+from kvmeans.eval import ruler_tasks
 from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, streaming_arm
 from kvmeans.pretrained.bench import (
     ARMS,
@@ -53,14 +53,17 @@ def _parser() -> argparse.ArgumentParser:
                    "(kept keys = (1 - r) x the context; default 0.5 0.75)")
     p.add_argument("--niah-samples", type=int, default=20)
     p.add_argument("--niah-length", type=int, default=1024, help="context tokens of the prose NIAH (default 1024)")
-    p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_1", "niah_single_2"], choices=list(ruler.TASKS))
+    p.add_argument("--ruler-tasks", nargs="+", default=["niah_single_1", "niah_single_2"],
+                   choices=list(ruler_tasks.SYNTHETIC_TASKS) + ["all"], help="RULER's synthetic tasks (all: the 11 "
+                   "of kvpress' RULER protocol); default niah_single_1 niah_single_2")
     p.add_argument("--ruler-lengths", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--ruler-samples", type=int, default=4)
     p.add_argument("--ppl-lengths", nargs="+", type=int, default=[2048, 4096, 8192])
     p.add_argument("--ppl-windows", type=int, default=1, help="Shakespeare windows per length")
     p.add_argument("--ppl-keys", type=int, default=260, help="kept keys of compressed arms in ppl (default 260)")
     p.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
-    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="most tokens an answer may have, for samples "
+                   "without a budget of their own (RULER's tasks have theirs); default 24")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-progress", action="store_true")
@@ -85,6 +88,8 @@ def _check(p, a) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if "all" in a.ruler_tasks:
+        a.ruler_tasks = list(ruler_tasks.SYNTHETIC_TASKS)
     _check(p, a)
     from kvmeans.models.load import load_hf_tokenizer, load_model
     from kvmeans.utils.args import parse_kvm_arg

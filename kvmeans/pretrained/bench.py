@@ -139,13 +139,17 @@ def niah_samples(tokenizer, n: int = 20, context_tokens: int = 1024, depths: Seq
 
 
 def ruler_samples(tokenizer, task: str, length: int, n: int, seed: int = ruler.DEFAULT_SEED) -> List[Dict[str, Any]]:
-    """RULER's ``task`` records at ``length`` (:func:`kvmeans.eval.ruler.generate_samples`) as chat samples:
-    the question is RULER's last line, the answer prefix RULER's (stripped), after the template's tail."""
+    """RULER's ``task`` records at ``length`` (any synthetic task: :func:`kvmeans.eval.ruler_tasks.generate_samples`)
+    as chat samples, split as kvpress' RULER set splits them: the context is everything before the question
+    (RULER's last line: "What ..." for the NIAH tasks, "Question: ..." for vt, cwe and fwe), the answer prefix
+    RULER's, after the template's tail; ``max_new_tokens`` the task's RULER budget."""
+    from kvmeans.eval import ruler_tasks
     out = []
-    for r in ruler.generate_samples(task, length, n, tokenizer, seed=seed):
-        cut = r["input"].rfind("\nWhat ")
-        out.append(_sample(tokenizer, task, length, r["index"], r["depth"], r["input"][:cut], r["input"][cut:],
-                           r["gen_prefix"], r["outputs"]))
+    for r in ruler_tasks.generate_samples(task, length, n, tokenizer, seed=seed):
+        cut = max(r["input"].rfind("\nWhat "), r["input"].rfind("\nQuestion: "))
+        s = _sample(tokenizer, task, length, r["index"], r.get("depth"), r["input"][:cut], r["input"][cut:],
+                    r.get("gen_prefix", r["answer_prefix"]), r["outputs"])
+        out.append({**s, "max_new_tokens": ruler_tasks.TOKENS_TO_GENERATE[task]})
     return out
 
 
@@ -248,7 +252,8 @@ def recall_rows(name: str, make: Callable[[Optional[int]], Arm], samples: Sequen
         if keys not in arms:
             arms[keys] = make(keys)
         arm = arms[keys]
-        r = answer(arm, s["context_ids"], s["question_ids"], max_new_tokens, _stop_ids(arm.model, tokenizer))
+        budget = s.get("max_new_tokens", max_new_tokens)          # a RULER task's own budget
+        r = answer(arm, s["context_ids"], s["question_ids"], budget, _stop_ids(arm.model, tokenizer))
         answers.append({"id": s["id"], "sha256": s["sha256"], "arm": name, "ratio": ratio,
                         "kept_keys": arm.kept_keys if arm.kept_keys is not None else len(s["context_ids"]),
                         "pred": tokenizer.decode(r["ids"], skip_special_tokens=True), "new_tokens": len(r["ids"]),

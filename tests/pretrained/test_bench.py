@@ -57,6 +57,19 @@ def model_dir(tmp_path_factory, model, tok):
 PER_KEY = 2 * 2 * 2 * 8 * 4      # K and V x layers x kv heads x head_dim x fp32 bytes
 
 
+@pytest.mark.parametrize("task", ["niah_multikey_2", "niah_multivalue", "vt", "cwe", "fwe"])
+def test_ruler_samples_of_every_synthetic_task_split_before_the_question(tok, task):
+    """kvpress' RULER split: the context ends before RULER's question line, which opens the question part; the
+    answers are RULER's and the answer budget the task's."""
+    from kvmeans.eval import ruler_tasks
+    length = 8192 if task == "cwe" else 4096      # one id per byte: cwe's smallest prompt is 6.7K tokens
+    (s,) = bp.ruler_samples(tok, task, length, 1)
+    assert s["question"].lstrip("\n").startswith(("What ", "Question: ")) and "\nQuestion: " not in s["question"][1:]
+    assert s["max_new_tokens"] == ruler_tasks.TOKENS_TO_GENERATE[task] and s["answers"]
+    rec = ruler_tasks.generate_samples(task, length, 1, tok)[0]
+    assert s["answers"] == rec["outputs"] and rec["input"].endswith(s["question"].split("<|im_end|>")[0])
+
+
 def test_samples_fit_their_budget_hold_the_needle_and_round_trip(tok, tmp_path):
     s = bp.niah_samples(tok, n=5, context_tokens=1200, seed=1)
     assert [x["depth"] for x in s] == list(bp.NIAH_DEPTHS)
