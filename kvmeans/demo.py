@@ -56,7 +56,7 @@ from .models import KVMLanguageModel, KVMModelConfig
 from .utils.cli import check_device, check_out_dir, run_main
 from .utils.io import atomic_write
 
-__all__ = ["run_demo", "main", "MODELS", "TASKS", "demo_settings", "CPU_PATHS"]
+__all__ = ["run_demo", "main", "MODELS", "TASKS", "demo_settings", "CPU_PATHS", "worker_env"]
 
 MODELS = ("rwkv7", "kvm-fixed", "kvm-sqrt", "bswa", "full")
 LABELS = {"rwkv7": "RWKV-7", "kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "full": "full attention"}
@@ -253,6 +253,12 @@ def _environment(env: Dict[str, str]):
                 os.environ[k] = v
 
 
+def worker_env():
+    """``with worker_env():`` the processes started inside take :func:`cpu_paths`' kernels: the demo's workers, and
+    those of a script that trains the demo's models (``benchmarks/demo_schedule_swap.py``) to get the same ones."""
+    return _environment(cpu_paths())
+
+
 _progress_queue = None      # in a worker process: where its progress reports go
 
 
@@ -292,7 +298,7 @@ def run_all(runs: Sequence[Tuple[str, int]], s: Dict[str, Any], device: str, wor
         return out
     ctx = multiprocessing.get_context("spawn")       # never fork a process that holds torch's thread pools
     queue = ctx.Queue()
-    with _environment(cpu_paths()), \
+    with worker_env(), \
             ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
         futures = [pool.submit(_run_in_worker, kind, seed, s, device) for kind, seed in runs]
         pending = set(futures)
