@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from kvmeans.demo import LABELS, demo_settings, make_batch, measure, train_model
+from kvmeans.demo import LABELS, demo_settings, make_batch, measure, train_model, worker_env
 from kvmeans.models import KVMLanguageModel, KVMModelConfig
 from kvmeans.models.config import with_budget
 from kvmeans.ops.budget import StateBudget
@@ -109,7 +109,8 @@ def main() -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     jobs = [(kind, seed) for kind in MODELS for seed in s["seeds"]]
-    with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    ctx = multiprocessing.get_context("spawn")
+    with worker_env(), ProcessPoolExecutor(a.workers, mp_context=ctx) as pool:      # the demo's kernels
         parts = pool.map(run, *zip(*jobs), *([x] * len(jobs) for x in (s, budgets, a.out)))
         rows = [r for part in parts for r in part]
     text = table(rows, ["own", *budgets], [s["train_len"] * m for m in s["multiples"]])

@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from kvmeans.demo import LABELS, demo_settings, measure, train_model
+from kvmeans.demo import LABELS, demo_settings, measure, train_model, worker_env
 from kvmeans.models import KVMLanguageModel
 from kvmeans.models.config import with_budget
 from kvmeans.ops.budget import StateBudget
@@ -76,7 +76,8 @@ def main() -> None:
         s["steps"] = a.steps
     t0 = time.perf_counter()
     jobs = [(kind, seed) for kind in TRAINED_WITH for seed in s["seeds"]]
-    with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    ctx = multiprocessing.get_context("spawn")
+    with worker_env(), ProcessPoolExecutor(a.workers, mp_context=ctx) as pool:      # the demo's kernels
         rows = [r for part in pool.map(run, *zip(*jobs), [s] * len(jobs)) for r in part]
     lengths = [s["train_len"] * m for m in s["multiples"]]
     text = table(rows, lengths)

@@ -21,8 +21,9 @@ for a few tokens after the prefill). Prints the recall's mean (min-max) over the
 table, writes ``results.json`` and, with matplotlib installed, ``demo.png`` (recall vs length, cache
 bytes vs length).
 
-On a CPU every (model, seed) run uses one torch thread, runs spread over ``workers`` processes, so a
-seed gives the same numbers whatever the number of cores or workers (same torch build and CPU kind).
+On a CPU every (model, seed) run uses one torch thread, runs spread over ``workers`` processes, and on a CPU
+with AVX2 the workers take the same kernels whatever the CPU (:data:`CPU_PATHS`), so a seed gives the same
+numbers whatever the number of cores or workers and on any Intel CPU with AVX2 (same torch build).
 A progress bar per model (steps over all seeds, latest loss, elapsed<remaining) goes to stderr when
 it is a terminal; otherwise one line per finished run.
 
@@ -32,10 +33,12 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
 import os
+import platform
 import statistics
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -51,7 +54,7 @@ from kvmeans.models import KVMLanguageModel, KVMModelConfig
 from kvmeans.utils.io import atomic_write
 from kvmeans.utils.progress import progress_bar, write_line
 
-__all__ = ["run_demo", "MODELS", "TASKS", "demo_settings"]
+__all__ = ["run_demo", "MODELS", "TASKS", "demo_settings", "CPU_PATHS", "worker_env"]
 
 MODELS = ("rwkv7", "kvm-fixed", "kvm-sqrt", "bswa", "full")
 LABELS = {"rwkv7": "RWKV-7", "kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM sqrt", "bswa": "BSWA", "full": "full attention"}
@@ -219,6 +222,41 @@ def run_one(kind: str, seed: int, s: Dict[str, Any], device: str,
                 train_s=tr["train_s"], final_loss=tr["final_loss"], evals=evals)
 
 
+#: The kernels of every CPU run, set in the workers' environment before they import torch: ATen's AVX2 kernels
+#: (an AVX-512 CPU takes its AVX-512 ones by default) and oneMKL's AVX2 branch (its conditional numerical
+#: reproducibility). Other kernels round differently, and 800 steps of training turn the last bit into other recall
+#: per seed (c844839 on an AVX-512 CPU: RWKV-7 at 32x 0.57 (0.29-0.82), the README's table from a CPU without
+#: AVX-512: 0.75 (0.62-0.95)). No slower on the AVX-512 CPU at these widths. oneMKL keeps its own branch on
+#: non-Intel CPUs, so those may still differ; a CPU without AVX2 keeps its own kernels.
+CPU_PATHS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+
+
+def cpu_paths() -> Dict[str, str]:
+    """:data:`CPU_PATHS` on a CPU with AVX2 (the hardware's, whatever the environment says), else none."""
+    return dict(CPU_PATHS) if torch.cpu._is_avx2_supported() else {}
+
+
+@contextlib.contextmanager
+def _environment(env: Dict[str, str]):
+    """``os.environ`` updated with ``env`` inside (processes started there inherit it), restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def worker_env():
+    """``with worker_env():`` the processes started inside take :func:`cpu_paths`' kernels: the demo's workers, and
+    those of a script that trains the demo's models (``benchmarks/demo_schedule_swap.py``) to get the same ones."""
+    return _environment(cpu_paths())
+
+
 _progress_queue = None      # in a worker process: where its progress reports go
 
 
@@ -229,7 +267,9 @@ def _init_worker(queue) -> None:
 
 
 def _run_in_worker(kind: str, seed: int, s: Dict[str, Any], device: str) -> Dict[str, Any]:
-    return run_one(kind, seed, s, device, lambda n, loss: _progress_queue.put((kind, seed, n, loss)))
+    out = run_one(kind, seed, s, device, lambda n, loss: _progress_queue.put((kind, seed, n, loss)))
+    out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()     # the kernels it ran
+    return out
 
 
 def _drain(queue, on_progress: Callable, wait_s: float = 0.0) -> None:
@@ -243,11 +283,12 @@ def _drain(queue, on_progress: Callable, wait_s: float = 0.0) -> None:
 def run_all(runs: Sequence[Tuple[str, int]], s: Dict[str, Any], device: str, workers: int,
             on_progress: Callable[[str, int, int, float], None],
             on_done: Callable[[Dict[str, Any]], None]) -> List[Dict[str, Any]]:
-    """:func:`run_one` for each ``(kind, seed)``, in this process (``workers == 1``) or in ``workers`` others.
+    """:func:`run_one` for each ``(kind, seed)``: on a CPU in ``workers`` other processes (one thread each, the
+    kernels of :func:`cpu_paths`, which this process, its torch already started, could not take), else here.
 
     ``on_progress(kind, seed, steps, loss)`` and ``on_done(run)`` are called in this process.
     """
-    if workers == 1:
+    if device != "cpu":
         out = []
         for kind, seed in runs:
             out.append(run_one(kind, seed, s, device, lambda n, loss: on_progress(kind, seed, n, loss)))
@@ -255,7 +296,8 @@ def run_all(runs: Sequence[Tuple[str, int]], s: Dict[str, Any], device: str, wor
         return out
     ctx = multiprocessing.get_context("spawn")       # never fork a process that holds torch's thread pools
     queue = ctx.Queue()
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+    with worker_env(), \
+            ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
         futures = [pool.submit(_run_in_worker, kind, seed, s, device) for kind, seed in runs]
         pending = set(futures)
         try:
@@ -378,6 +420,15 @@ def plot(results: Dict[str, Any], path: Path) -> Optional[str]:
     return str(path)
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what :func:`platform.processor` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Optional[Sequence[int]] = None,
              models: Sequence[str] = MODELS, workers: Optional[int] = None,
              settings: Optional[Dict[str, Any]] = None, task: str = DEFAULT_TASK) -> Dict[str, Any]:
@@ -413,14 +464,13 @@ def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Opti
                    f"loss {r['final_loss']:.3f}, trained in {r['train_s']:.1f}s, recall "
                    + " ".join(f"{e['recall']:.2f}" for e in r["evals"]))
 
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)                    # a seed's numbers must not depend on the core count
     try:
         all_runs = run_all(runs, s, device, workers, progress.update, on_done)
     finally:
         progress.close()
-        torch.set_num_threads(threads)
+    caps = sorted({r.pop("cpu_capability") for r in all_runs if "cpu_capability" in r})
+    results["cpu"] = dict(name=_cpu_name(), capability=", ".join(caps) or None,
+                          paths=cpu_paths() if device == "cpu" else {}, torch=torch.__version__)
     results["models"] = summarize(all_runs, models, lengths)
     table = format_table(results)
     results["table"] = table
