@@ -199,7 +199,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
     records: List[Dict[str, Any]] = []
-    settings = dict(settings or {})
+    settings = {} if settings is None else settings      # the caller writes it again: calibration records stay
     for model_dir in models:
         name = Path(model_dir).name
         tok = load_hf_tokenizer(model_dir)
