@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed (default 1800)")
     p.add_argument("--generate", action="store_true", help="run model.generate on the prompt instead of a forward "
                    "and a decode loop (batch 1; full and kvm arms): what a user gets with no setting")
+    p.add_argument("--interleave", action="store_true", help="decode time only, every arm in one process with their "
+                   "steps interleaved (ratios that hold on a shared, noisy machine); writes decode.csv / decode.json")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights (default 0)")
     return p
 
@@ -60,6 +62,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            decode_tokens=a.decode_tokens, batch=a.batch, dtype=a.dtype, device=a.device,
                            threads=a.threads, segment=a.segment, seed=a.seed, timeout=a.timeout,
                            generate=a.generate)
+    if a.interleave:
+        from kvmeans.bench.longctx import run_interleaved
+        run_interleaved(config, log=lambda msg: print(msg, flush=True))
+        print(f"wrote {Path(a.out) / 'decode.csv'}, decode.json")
+        return 0
     rows: List[dict] = run(config, log=lambda msg: print(msg, flush=True))
     print(rows_table(rows, config.arms))
     out = Path(a.out)

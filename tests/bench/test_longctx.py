@@ -70,6 +70,22 @@ def test_end_to_end_three_arms(tiny_dir, tmp_path, capsys):
     assert (out / "longctx.png").stat().st_size > 1000
 
 
+def test_interleave_times_every_arm_in_one_process(tiny_dir, tmp_path, capsys):
+    """--interleave: decode steps of the arms taken in turn in one process, medians and ratios to the first arm."""
+    out = tmp_path / "inter"
+    assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--lengths", "96", "48",
+                "--interleave", "--arms", *ARMS, *FAST]) == 0
+    assert "decode.csv" in capsys.readouterr().out
+    rows = json.loads((out / "decode.json").read_text())["rows"]
+    assert [(r["arm"], r["length"]) for r in rows] == [(a, n) for n in (48, 96) for a in ARMS]
+    for r in rows:
+        assert len(r["decode_step_s"]) == 3 and r["decode_ms_per_tok"] > 0
+        first = next(x for x in rows if x["length"] == r["length"] and x["arm"] == "full")
+        assert r["ratio_to_first"] == pytest.approx(r["decode_ms_per_tok"] / first["decode_ms_per_tok"])
+    with open(out / "decode.csv") as f:
+        assert len(list(csv.DictReader(f))) == 6
+
+
 def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path):
     """--generate: model.generate with nothing set; a KVM prompt past the segment keeps the bounded cache."""
     out = tmp_path / "gen"
