@@ -20,7 +20,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -110,19 +110,24 @@ def _tokenizer_of(model):
 
 def _tail_nll(model, windows: torch.Tensor, keys: int) -> float:
     """Mean next-token NLL of the tokens after the first ``keys`` of every window (where compression acts)."""
-    from kvmeans.pretrained.arms import token_nll
-    nll = torch.cat([token_nll(model, w[None])[0, keys:] for w in windows])
-    return nll.double().mean().item()
+    device = next(model.parameters()).device
+    nll = []
+    with torch.no_grad():
+        for w in windows:
+            ids = w[None].to(device)
+            logits = model(input_ids=ids, use_cache=False).logits[0, keys:-1].float()
+            nll.append(torch.nn.functional.cross_entropy(logits, ids[0, keys + 1:], reduction="none"))
+    return torch.cat(nll).double().mean().item()
 
 
-def calibrate(model, keys: int = DEFAULT_KEYS, *, windows: Optional[torch.Tensor] = None, tokenizer=None,
-              length: int = 1024, candidates: Sequence[Split] = CANDIDATES, base: Optional[dict] = None,
-              progress: bool = True) -> dict:
+def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Optional[torch.Tensor] = None,
+              tokenizer=None, length: int = 1024, candidates: Sequence[Split] = CANDIDATES,
+              base: Optional[dict] = None, progress: bool = True) -> dict:
     """Pick ``convert_hf`` settings for ``model`` at ``keys`` kept keys: every split in ``candidates`` converts a
-    copy of ``model`` and is scored on ``windows`` (``[N, T]`` ids; default :func:`calibration_windows` with the
-    model's tokenizer). ``base``: other settings every candidate gets. Returns the best settings with a
-    ``calibration`` record (candidates, their losses, the text, seconds). ``model`` itself is not changed."""
-    from kvmeans.pretrained.convert import convert_hf
+    copy of ``model`` with ``convert`` (:func:`kvmeans.convert_hf`, which calls this module: passed in, not
+    imported) and is scored on ``windows`` (``[N, T]`` ids; default :func:`calibration_windows` with the model's
+    tokenizer). ``base``: other settings every candidate gets. Returns the best settings with a ``calibration``
+    record (candidates, their losses, the text, seconds). ``model`` itself is not changed."""
     from kvmeans.utils.progress import progress_bar
     t0 = time.perf_counter()
     if windows is None:
@@ -144,7 +149,7 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, windows: Optional[torch.Tensor
             settings = {**(base or {}), **split_settings(split, keys)}
         except ValueError:
             continue
-        trial = convert_hf(copy.deepcopy(model), **settings)
+        trial = convert(copy.deepcopy(model), **settings)
         scored.append({"split": split.name, "settings": _plain(settings), "nll": _tail_nll(trial, windows, keys)})
         del trial
     model.train(was_training)

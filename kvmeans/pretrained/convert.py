@@ -354,7 +354,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
         _check_rope_kind(cfg)
         keys = settings.pop("keys", DEFAULT_KEYS)
-        chosen = _calibrate(model, keys, windows=calibration, tokenizer=tokenizer, base=settings or None)
+        chosen = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer,
+                            base=settings or None)
         record = chosen.pop("calibration")
         settings = chosen
     has_rope = FAMILIES[family]

@@ -208,7 +208,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
         token_cache: Dict[str, List[List[int]]] = {}
         split = None
         if auto:        # once per model, on the built-in calibration text (never on the corpora scored here)
-            chosen = calibrate(plain, windows=calibration_windows(tok))
+            chosen = calibrate(plain, convert=convert_hf, windows=calibration_windows(tok))
             split = next(c for c in CANDIDATES if c.name == chosen["calibration"]["chosen"])
             settings.setdefault("calibration", {})[name] = chosen["calibration"]
             log(f"{name}: calibrated split {split.name} ({chosen['calibration']['seconds']} s)")

@@ -46,7 +46,7 @@ def test_calibrate_picks_the_lowest_loss_and_leaves_the_model_alone():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 97, (2, 160), generator=torch.Generator().manual_seed(1))
     cands = (Split(8, 0.5, 0.0), Split(8, 0.75, 0.0), Split(8, 0.5, 0.5))
-    chosen = calibrate(model, 48, windows=ids, candidates=cands, progress=False)
+    chosen = calibrate(model, 48, convert=convert_hf, windows=ids, candidates=cands, progress=False)
     rec = chosen.pop("calibration")
     assert [c["split"] for c in rec["candidates"]] == [c.name for c in cands]
     best = min(rec["candidates"], key=lambda c: c["tail_ppl"])
