@@ -63,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            threads=a.threads, segment=a.segment, seed=a.seed, timeout=a.timeout,
                            generate=a.generate)
     if a.interleave:
-        from kvmeans.bench.longctx import run_interleaved
+        from kvmeans.bench.longctx_decode import run_interleaved
         run_interleaved(config, log=lambda msg: print(msg, flush=True))
         print(f"wrote {Path(a.out) / 'decode.csv'}, decode.json")
         return 0
