@@ -16,10 +16,11 @@ __all__ = ["run_interleaved"]
 
 
 def run_interleaved(c: LongctxConfig, log: Callable[[str], None] = print) -> List[Dict[str, Any]]:
-    """Decode time per token of every arm, measured in ONE process with the arms' steps interleaved (on a shared,
-    noisy machine every arm sees the same load): per length, each arm prefills the same prompt, then the arms take
-    one decode step each in turn, ``decode_tokens`` rounds. Rows: median ms per token (first round dropped) and
-    the ratio to the first arm's. No memory figures (the arms share a process); ``decode.csv`` / ``decode.json``."""
+    """Decode time per token of every arm at every length, measured in ONE process with all steps interleaved (on a
+    shared, noisy machine every (arm, length) sees the same load): each arm prefills the same prompt at each length
+    (all caches held at once), then every (arm, length) takes one decode step in turn, ``decode_tokens`` rounds.
+    Rows: median ms per token (first round dropped), its ratio to the first arm's at that length and to the same
+    arm's at the shortest length (flat decode: 1). No memory figures (one process); ``decode.csv``/``.json``."""
     import torch
 
     from kvmeans.bench.report import env_info, format_env, write_csv, write_json
@@ -42,36 +43,38 @@ def run_interleaved(c: LongctxConfig, log: Callable[[str], None] = print) -> Lis
         else:
             models[arm.label] = plain
     cfg = plain.config.get_text_config(decoder=True) if hasattr(plain.config, "get_text_config") else plain.config
-    rows: List[Dict[str, Any]] = []
-    for length in sorted(set(c.lengths)):
-        ids = torch.randint(0, cfg.vocab_size, (c.batch, length),
-                            generator=torch.Generator().manual_seed(c.seed)).to(device)
-        runners, nxt, steps = {}, {}, {}
-        with torch.no_grad():
+    lengths = sorted(set(c.lengths))
+    runners, nxt, steps = {}, {}, {}
+    with torch.no_grad():
+        for length in lengths:
+            ids = torch.randint(0, cfg.vocab_size, (c.batch, length),
+                                generator=torch.Generator().manual_seed(c.seed)).to(device)
             for arm in c.arms:
-                runners[arm.label] = r = _runner(models[arm.label], asdict(arm))
+                key = (arm.label, length)
+                runners[key] = r = _runner(models[arm.label], asdict(arm))
                 t0 = time.perf_counter()
-                nxt[arm.label] = r.prefill(ids, c.segment).argmax(-1, keepdim=True)
+                nxt[key] = r.prefill(ids, c.segment).argmax(-1, keepdim=True)
                 _sync(device)
                 log(f"{arm.label} @ {length}: prefilled in {time.perf_counter() - t0:.1f} s")
-                steps[arm.label] = []
-            for _ in range(c.decode_tokens):
-                for arm in c.arms:
-                    t0 = time.perf_counter()
-                    nxt[arm.label] = runners[arm.label](nxt[arm.label]).argmax(-1, keepdim=True)
-                    _sync(device)
-                    steps[arm.label].append(time.perf_counter() - t0)
-        first = None
+                steps[key] = []
+        for _ in range(c.decode_tokens):        # every (arm, length) one step in turn: the same load for all
+            for key, r in runners.items():
+                t0 = time.perf_counter()
+                nxt[key] = r(nxt[key]).argmax(-1, keepdim=True)
+                _sync(device)
+                steps[key].append(time.perf_counter() - t0)
+    ms = {k: 1000 * statistics.median(s[1:] if len(s) > 1 else s) for k, s in steps.items()}
+    rows: List[Dict[str, Any]] = []
+    for length in lengths:
         for arm in c.arms:
-            s = steps[arm.label]
-            ms = 1000 * statistics.median(s[1:] if len(s) > 1 else s)
-            first = ms if first is None else first
-            rows.append({"arm": arm.label, "length": length, "decode_ms_per_tok": ms, "ratio_to_first": ms / first,
-                         "decode_step_s": s})
-            log(f"{arm.label} @ {length}: decode {ms:.2f} ms/token ({ms / first:.3f}x {c.arms[0].label})")
-        del runners
-        write_csv(out / "decode.csv", ["arm", "length", "decode_ms_per_tok", "ratio_to_first"], rows)
-        write_json(out / "decode.json", {"settings": {**{k: v for k, v in asdict(c).items() if k != "arms"},
-                                                      "arms": [a.label for a in c.arms], "model_folder": folder},
-                                         "env": env, "rows": rows})
+            key = (arm.label, length)
+            rows.append({"arm": arm.label, "length": length, "decode_ms_per_tok": ms[key],
+                         "ratio_to_first": ms[key] / ms[(c.arms[0].label, length)],
+                         "ratio_to_shortest": ms[key] / ms[(arm.label, lengths[0])], "decode_step_s": steps[key]})
+            log(f"{arm.label} @ {length}: decode {ms[key]:.2f} ms/token ({rows[-1]['ratio_to_first']:.3f}x "
+                f"{c.arms[0].label}, {rows[-1]['ratio_to_shortest']:.3f}x its own at {lengths[0]})")
+    write_csv(out / "decode.csv", ["arm", "length", "decode_ms_per_tok", "ratio_to_first", "ratio_to_shortest"], rows)
+    write_json(out / "decode.json", {"settings": {**{k: v for k, v in asdict(c).items() if k != "arms"},
+                                                  "arms": [a.label for a in c.arms], "model_folder": folder},
+                                     "env": env, "rows": rows})
     return rows

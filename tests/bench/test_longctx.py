@@ -82,6 +82,8 @@ def test_interleave_times_every_arm_in_one_process(tiny_dir, tmp_path, capsys):
         assert len(r["decode_step_s"]) == 3 and r["decode_ms_per_tok"] > 0
         first = next(x for x in rows if x["length"] == r["length"] and x["arm"] == "full")
         assert r["ratio_to_first"] == pytest.approx(r["decode_ms_per_tok"] / first["decode_ms_per_tok"])
+        own = next(x for x in rows if x["length"] == 48 and x["arm"] == r["arm"])
+        assert r["ratio_to_shortest"] == pytest.approx(r["decode_ms_per_tok"] / own["decode_ms_per_tok"])
     with open(out / "decode.csv") as f:
         assert len(list(csv.DictReader(f))) == 6
 
