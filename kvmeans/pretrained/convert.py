@@ -348,16 +348,25 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     family = cfg.model_type
     if family not in FAMILIES:
         raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}")
+    attn = _attention_layers(model)
+    kinds = getattr(cfg, "layer_types", None)
+    is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}
+    chosen = [i for i in sorted(attn) if is_global[i]] if layers == "all" else sorted(set(layers))
+    for i in chosen:
+        if i not in attn:
+            raise ValueError(f"layers: {i} is not an attention layer index (0..{len(attn) - 1})")
+        if not is_global[i]:
+            raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     record = None
-    if calibrate or (calibrate is None and not settings):
+    if calibrate or (calibrate is None and not settings):      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
         _check_rope_kind(cfg)
         keys = settings.pop("keys", DEFAULT_KEYS)
-        chosen = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer,
-                            base=settings or None)
-        record = chosen.pop("calibration")
-        settings = chosen
+        base = {**settings, "layers": chosen}
+        settings = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer, base=base)
+        record = settings.pop("calibration")
+        settings.pop("layers")
     has_rope = FAMILIES[family]
     settings.setdefault("rope_mode", "pre_rope_fixed" if has_rope else "none")
     if not has_rope and settings["rope_mode"] != "none":
@@ -372,15 +381,6 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     if spec.rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
         raise ValueError(f"rope_mode={spec.rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
                          "by the sequence length) does not have; use rope_mode='post_rope'")
-    attn = _attention_layers(model)
-    kinds = getattr(cfg, "layer_types", None)
-    is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}
-    chosen = [i for i in sorted(attn) if is_global[i]] if layers == "all" else sorted(set(layers))
-    for i in chosen:
-        if i not in attn:
-            raise ValueError(f"layers: {i} is not an attention layer index (0..{len(attn) - 1})")
-        if not is_global[i]:
-            raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
     for pos, i in enumerate(chosen):
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
