@@ -1,41 +1,64 @@
 #!/usr/bin/env bash
-# One command for a session that has a CUDA GPU: check the compiled Triton kernels against the torch
-# paths, then time KVM against flash SDPA at the paper's shape (B=8, H=32, D=128, bf16) with the Triton
-# kernels and with the torch paths, writing CSV/PNG/env under benchmarks/results/<gpu>-<date>/
-# (or under $OUT when set, e.g. on the device tool's machine, whose files come back from there).
-#   bash benchmarks/gpu_session.sh                 # all steps (~10-20 min on an H100)
-#   bash benchmarks/gpu_session.sh tests           # one step: tests | triton | torch (each < 10 min)
-#   QUICK=1 bash benchmarks/gpu_session.sh         # T = 4096 and 32768 only
-# Works offline: a machine that already has torch + triton (+ pytest, matplotlib) needs no download;
-# kvmeans itself is installed without dependencies, or used from this checkout.
-set -euo pipefail
+# One command for a session that has a CUDA GPU. Steps, in priority order, each under its own time limit
+# (the whole run ends inside DEADLINE seconds, default 1800):
+#   tests    the compiled Triton kernels against the torch paths (gpu-marked tests) and the Triton test files on CUDA
+#   triton   bench ops at the paper's shape (B=8, H=32, D=128, bf16), KVM through the Triton kernels, SDPA (flash)
+#   longctx  bench longctx on a random-weight model of Qwen2.5-Coder-1.5B's config (bf16): full vs converted KVM,
+#            peak GPU memory, time to first token, decode ms/token at 8K-128K
+#   torch    bench ops again with KVM through the torch paths
+# Output: CSV/PNG/JSON/env and logs under benchmarks/results/<gpu>-<date>/ (or $OUT when set, e.g. on the device
+# tool's machine, where everything is also packed into results.tgz, since only a few files come back from there).
+#   bash benchmarks/gpu_session.sh                      # all steps, lengths 4K and 32K
+#   LENGTHS="1024 2048 4096 8192 16384 32768" bash benchmarks/gpu_session.sh triton
+#   DEADLINE=400 bash benchmarks/gpu_session.sh tests triton longctx
+# Works offline: the machine needs torch + triton (+ pytest, matplotlib, transformers >= 5.18 for longctx; wheels
+# in ./.whl are installed first when present). Qwen's config comes from ./.gpu/qwen2.5-coder-1.5b/config.json
+# (copy it there from `kvmeans models fetch qwen2.5-coder-1.5b`'s folder) or the fetched folder itself.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 - <<'PY'
-import sys, torch
-if not torch.cuda.is_available():
-    sys.exit("gpu_session.sh: no CUDA device visible to torch; run it on a GPU machine")
-PY
-if ! python3 -c "import kvmeans" 2>/dev/null; then
-    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null \
-        || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+deadline=${DEADLINE:-1800}
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_session.sh: no CUDA device visible')" \
+    || exit 1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
-out="${OUT:-benchmarks/results/${gpu}-$(date +%Y%m%d)}"
+out="benchmarks/results/${gpu}-$(date +%Y%m%d)"
+[ -n "${OUT:-}" ] && out=/tmp/gpu-session   # the device machine returns at most 8 files: logs + results.tgz
 mkdir -p "$out"
-steps="${1:-tests triton torch}"
-lengths="1024 2048 4096 8192 16384 32768"
-[ "${QUICK:-0}" = 1 ] && lengths="4096 32768"
-export PYTHONUNBUFFERED=1
+lengths="${LENGTHS:-4096 32768}"
+qwen=.gpu/qwen2.5-coder-1.5b
+[ -f "$qwen/config.json" ] || qwen="${HOME}/.cache/kvmeans/models/qwen2.5-coder-1.5b"
+kvm="kvm:budget=fixed:132,chunk_len=32,n_bswa_chunks=4,sink_len=4,exact_rows=32"
+{ nvidia-smi; python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"; \
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"; date -u; } >"$out/env.txt" 2>&1
 
-for step in $steps; do
+left() { echo $(( deadline - ($(date +%s) - start) - 10 )); }
+limit() { local l; l=$(left); (( l < $1 )) && echo "$l" || echo "$1"; }   # a step's limit: its own or what is left
+pack() { [ -n "${OUT:-}" ] && cp "$out"/*.txt "$OUT"/ && tar czf "$OUT/results.tgz.tmp" -C "$out" . \
+    && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; return 0; }
+
+for step in ${*:-tests triton longctx torch}; do
+    t=$(left); if (( t < 30 )); then echo "== $step: skipped ($t s left)"; continue; fi
+    echo "== $step ($(date -u +%T), $t s left)"
     case "$step" in
-    tests)   # compiled kernels vs the torch path (gpu-marked tests), then the whole Triton test file on CUDA
-        python3 -m pytest -q -m gpu tests/test_triton.py 2>&1 | tee "$out/pytest-gpu.txt" || true
-        python3 -m pytest -q tests/test_triton.py 2>&1 | tee "$out/pytest-triton.txt" || true ;;
-    triton|torch)   # the operator benchmark, same shapes, SDPA (flash) timed in the same run
-        python3 -m kvmeans.bench.ops --device cuda --paper-shape --kvm-impl "$step" --lengths $lengths \
-            --out "$out/$step" 2>&1 | tee "$out/bench-$step.txt" ;;
-    *) echo "unknown step $step (tests | triton | torch)" >&2; exit 2 ;;
+    tests)
+        timeout "$(limit 150)" python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE tests/ops/test_triton.py \
+            tests/ops/test_triton_rows.py tests/ops/test_growth_triton.py 2>&1 | tee "$out/pytest-triton.txt" ;;
+    triton|torch)
+        timeout "$(limit 120)" python3 -m kvmeans bench ops --device cuda --paper-shape --kvm-impl "$step" \
+            --lengths $lengths --out "$out/ops-$step" 2>&1 | tee "$out/bench-ops-$step.txt" ;;
+    longctx)
+        timeout "$(limit 170)" python3 -m kvmeans bench longctx --model "config:$qwen" --device cuda --dtype bfloat16 \
+            --lengths ${LONGCTX_LENGTHS:-8192 32768 131072} --arms full "$kvm" --decode-tokens 16 --timeout 80 \
+            --out "$out/longctx" 2>&1 | tee "$out/bench-longctx.txt" ;;
+    *) echo "unknown step $step (tests | triton | longctx | torch)" >&2; exit 2 ;;
     esac
+    echo "== $step: exit ${PIPESTATUS[0]}"
+    pack
 done
-echo "results in $out (commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)); put the ratio table in README.md"
+echo "results in $out"

@@ -45,11 +45,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from kvmeans.eval.synthetic import mqar_batch, multikey_batch, passkey_batch, passkey_needle_len, recall_accuracy
 from kvmeans.models import KVMLanguageModel, KVMModelConfig
 from kvmeans.utils.io import atomic_write
+from kvmeans.utils.progress import progress_bar, write_line
 
 __all__ = ["run_demo", "MODELS", "TASKS", "demo_settings"]
 
@@ -271,15 +271,17 @@ def run_all(runs: Sequence[Tuple[str, int]], s: Dict[str, Any], device: str, wor
     return [f.result() for f in futures]
 
 
-class Progress:
+class ModelBars:
     """One bar per model (steps over all its seeds, the latest loss), on stderr and only if it is a terminal."""
 
     def __init__(self, models: Sequence[str], steps_per_model: int):
-        self.bars = {m: tqdm(total=steps_per_model, desc=f"{LABELS.get(m, m):<14}", position=i, unit="step",
-                             disable=None, dynamic_ncols=True) for i, m in enumerate(models)}
+        self.bars = {m: progress_bar(steps_per_model, terminal=True, desc=f"{LABELS.get(m, m):<14}", position=i,
+                                     unit="step") for i, m in enumerate(models)}
 
     def update(self, kind: str, seed: int, steps: int, loss: float) -> None:
         bar = self.bars[kind]
+        if bar is None:
+            return
         if bar.n == 0:
             bar.reset()                 # its clock starts with the model's first run, not with the demo
         bar.set_postfix_str(f"seed {seed} loss {loss:.3f}", refresh=False)
@@ -287,7 +289,8 @@ class Progress:
 
     def close(self) -> None:
         for bar in self.bars.values():
-            bar.close()
+            if bar is not None:
+                bar.close()
 
 
 def summarize(runs: List[Dict[str, Any]], models: Sequence[str], lengths: List[int]) -> Dict[str, Any]:
@@ -401,12 +404,12 @@ def run_demo(out_dir=None, quick: bool = False, device: str = "cpu", seeds: Opti
     results: Dict[str, Any] = dict(settings={k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()},
                                    quick=quick, device=device, seeds=list(s["seeds"]), workers=workers,
                                    lengths=lengths, models={})
-    progress = Progress(models, s["steps"] * len(s["seeds"]))
+    progress = ModelBars(models, s["steps"] * len(s["seeds"]))
     finished = []
 
     def on_done(r: Dict[str, Any]) -> None:
         finished.append(r)
-        tqdm.write(f"[{len(finished)}/{len(runs)}] {LABELS.get(r['model'], r['model'])} seed {r['seed']}: "
+        write_line(f"[{len(finished)}/{len(runs)}] {LABELS.get(r['model'], r['model'])} seed {r['seed']}: "
                    f"loss {r['final_loss']:.3f}, trained in {r['train_s']:.1f}s, recall "
                    + " ".join(f"{e['recall']:.2f}" for e in r["evals"]))
 

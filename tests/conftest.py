@@ -7,6 +7,8 @@ import torch
 # so it is set here, before any test module can import kvmeans.ops.triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# On a GPU the compiled kernels launch one fixed tile: autotuning every candidate for every test shape takes minutes
+os.environ.setdefault("KVMEANS_TRITON_AUTOTUNE", "0")
 
 
 @pytest.fixture(autouse=True)

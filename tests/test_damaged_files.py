@@ -221,7 +221,7 @@ def test_a_write_removes_the_temps_killed_writers_of_its_target_left(tmp_path, f
 
 def test_a_one_token_call_without_a_gate_reuses_one_ones_tensor(monkeypatch):
     from kvmeans import kvm_attention
-    from kvmeans.ops import kvm as kvm_mod
+    from kvmeans.ops import backends as kvm_mod
     seen = []
     for name in ("recurrent_kvm_attention", "chunk_kvm_attention"):
         real = getattr(kvm_mod, name)

@@ -12,6 +12,13 @@ decoding over the compressed cache, with the ids given (no re-tokenization; the 
 check that this venv's tokenizer agrees). Scored with RULER's ``string_match_all`` (every reference found,
 case-insensitively). Writes ``kvpress.json`` (settings, versions, rows, per-sample answers) and
 ``kvpress.csv`` (rows) atomically, after every (press, ratio).
+
+    VENV/bin/python benchmarks/kvpress/run_kvpress.py --windows OUT/windows.jsonl --model DIR --out OUT/kvpress
+
+``windows.jsonl`` (from ``kvmeans bench quality``): per window its ``ids``, ``context_len`` and ``keys``. Each
+press compresses the prefilled context to ``keys`` keys (ratio ``1 - keys / context_len``), then the rest of the
+window is scored teacher-forced over that cache, appended uncompressed: the continuation perplexity, one row
+per (press, cell), written as above.
 """
 from __future__ import annotations
 
@@ -87,6 +94,53 @@ def run_sample(pipe, press, sample, max_new_tokens: int) -> dict:
     return {"pred": text, "kept_keys": kept, "cache_bytes": nbytes, "prefill_s": t1 - t0, "answer_s": t2 - t1}
 
 
+def continuation_nll(model, press, record) -> tuple:
+    """``(sum of the NLL of the window's tokens after its context, their count, keys kept after the context)``:
+    the context prefilled under ``press``, then the rest teacher-forced over the compressed cache."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+    ids = torch.tensor([record["ids"]], device=model.device)
+    n = record["context_len"]
+    cache = DynamicCache()
+    with torch.no_grad():
+        with press(model) if press is not None else contextlib.nullcontext():
+            last = model(input_ids=ids[:, :n], past_key_values=cache, logits_to_keep=1).logits[:, -1:]
+        kept = cache.get_seq_length()
+        rest = model(input_ids=ids[:, n:-1], past_key_values=cache).logits
+    logits = torch.cat((last, rest), 1).float()
+    nll = F.cross_entropy(logits[0], ids[0, n:], reduction="sum")
+    return float(nll), ids.shape[1] - n, kept
+
+
+def run_windows(model, records, presses, out: Path, settings: dict) -> None:
+    """Every press on every window (see the module docstring); one row per (press, cell)."""
+    import math
+    cells = {}
+    for r in records:
+        cells.setdefault(r["cell"], []).append(r)
+    rows = []
+    for name in presses:
+        for cell, group in cells.items():
+            total = count = 0.0
+            kept, t0 = [], time.perf_counter()
+            for r in group:
+                ratio = 1 - r["keys"] / r["context_len"]
+                nll, m, k = continuation_nll(model, make_press(name, ratio), r)
+                total, count = total + nll, count + m
+                kept.append(k)
+            first = group[0]
+            rows.append({"cell": cell, "press": name, "model": first["model"], "corpus": first["corpus"],
+                         "length": first["length"], "role": first["role"], "windows": len(group),
+                         "kept_keys": round(sum(kept) / len(kept)), "ppl_continuation": math.exp(total / count),
+                         "seconds": round(time.perf_counter() - t0, 2)})
+            write_results(out, settings, rows, [])
+            print(f"{name} {cell}: continuation ppl {rows[-1]['ppl_continuation']:.2f} (kept {rows[-1]['kept_keys']} "
+                  "keys)", flush=True)
+
+
 def row_of(press: str, ratio, bench: str, length: int, group) -> dict:
     return {"bench": bench, "length": length, "ratio": ratio, "arm": f"kvpress {press}",
             "kept_keys": round(sum(a["kept_keys"] for a in group) / len(group)),
@@ -109,7 +163,9 @@ def write_results(out: Path, settings: dict, rows: list, answers: list) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", required=True, help="samples.jsonl written by kvmeans bench pretrained")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--samples", help="samples.jsonl written by kvmeans bench pretrained")
+    src.add_argument("--windows", help="windows.jsonl written by kvmeans bench quality (continuation perplexity)")
     p.add_argument("--model", required=True, help="the same transformers model folder")
     p.add_argument("--out", required=True, help="folder for kvpress.json and kvpress.csv")
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=PRESSES)
@@ -120,6 +176,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not all(0 < r < 1 for r in a.ratios):
         p.error(f"--ratios must lie in (0, 1), got {a.ratios}")
+    if a.windows:
+        return _main_windows(a)
     samples = [json.loads(line) for line in Path(a.samples).read_text(encoding="utf-8").splitlines() if line.strip()]
     samples = [s for s in samples if not a.benches or s["bench"] in a.benches]
     if not samples:
@@ -161,6 +219,26 @@ def main(argv=None) -> int:
             write_results(Path(a.out), settings, rows, answers)
             print(f"{name} {ratio} {bench} {length}: {rows[-1]['score']}/{len(group)} "
                   f"(kept {rows[-1]['kept_keys']} keys)", flush=True)
+    return 0
+
+
+def _main_windows(a) -> int:
+    import kvpress  # noqa: F401  (registers the presses' attention hooks)
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    records = [json.loads(x) for x in Path(a.windows).read_text(encoding="utf-8").splitlines() if x.strip()]
+    records = [r for r in records if r["model"] == Path(a.model).name]      # this model's cells
+    if not records:
+        raise SystemExit(f"--windows {a.windows}: no window of model {Path(a.model).name}")
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    import importlib.metadata as md
+    settings = {**vars(a), "versions": {n: md.version(n) for n in ("kvpress", "torch", "transformers")},
+                "loadavg": open("/proc/loadavg").read().strip()}
+    run_windows(model, records, [n for n in a.presses if n != "none"], Path(a.out), settings)
     return 0
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvmeans import StateBudget, kvm_attention
 from kvmeans.ops import chunk
-from kvmeans.ops.recurrent import own_buffers
+from kvmeans.ops.state import own_buffers
 
 ARMS = ("sdpa", "kvm-fixed256", "kvm-sqrt16")
 BUDGETS = {"kvm-fixed256": StateBudget.fixed(256), "kvm-sqrt16": StateBudget.power_law(16, 0.5, min_len=256)}

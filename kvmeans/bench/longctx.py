@@ -169,6 +169,7 @@ class LongctxConfig:
     segment: int = 1024
     seed: int = 0
     timeout: float = 1800.0
+    generate: bool = False            # through model.generate (batch 1; full and kvm arms)
 
 
 def check_config(c: LongctxConfig) -> Tuple[str, bool]:
@@ -181,6 +182,9 @@ def check_config(c: LongctxConfig) -> Tuple[str, bool]:
                            ("--segment", c.segment, 1), ("--threads", c.threads, 1)):
         if v is not None and v < least:
             raise UsageError(f"{flag} must be >= {least}, got {v}")
+    if c.generate and (c.batch != 1 or any(a.kind == "streaming" for a in c.arms)):
+        raise UsageError("--generate: runs model.generate on one prompt; use --batch 1 and the full and kvm arms "
+                         "(StreamingLLM evicts by a mask generate does not apply)")
     if not c.timeout > 0 or not math.isfinite(c.timeout):
         raise UsageError(f"--timeout must be a positive number of seconds, got {c.timeout}")
     if c.dtype not in DTYPES:
@@ -419,6 +423,8 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         gpu_loaded = torch.cuda.memory_allocated(device) if cuda else None
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        if s.get("generate"):
+            return _measure_generate(s, model, ids, rss_model, rss_loaded, load_s)
         run = _runner(model, arm)
         with PeakRSS() as pre:
             t0 = time.perf_counter()
@@ -458,6 +464,41 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         "decode_step_s": steps, "decode_ms_per_tok": 1000 * step, "decode_tok_s": B / step,
         "cache_bytes": cache_bytes, "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_end,
     }
+
+
+def _measure_generate(s, model, ids, rss_model, rss_loaded, load_s) -> Dict[str, Any]:
+    """``model.generate`` on the prompt, greedy, ``decode_tokens + 1`` new tokens, nothing set for long prompts:
+    time to the first token and per token from a streamer's arrival times, peak RSS over the whole call."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    from kvmeans.models.hf_compat import cache_from
+    stamps: List[float] = []
+
+    class Stamps(BaseStreamer):                 # put() gets the prompt first, then each new token
+        def put(self, value):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s["decode_tokens"] + 1,
+                             min_new_tokens=s["decode_tokens"] + 1, do_sample=False, pad_token_id=0,
+                             streamer=Stamps(), return_dict_in_generate=True)
+    steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    step = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    cache_bytes, by_kind = _cache_bytes(cache_from(out))
+    return {"status": "ok", "arm": s["arm"]["label"], "kind": s["arm"]["kind"], "length": ids.shape[1], "batch": 1,
+            "threads": torch.get_num_threads(), "device": str(ids.device), "via": "generate",
+            "dtype": str(next(model.parameters()).dtype), "random_weights": s["random"], "load_s": load_s,
+            "rss_model_bytes": rss_model, "rss_loaded_bytes": rss_loaded, "peak_prefill_bytes": peak.peak,
+            "peak_decode_bytes": None, "peak_above_model_bytes": None if peak.peak is None or rss_loaded is None
+            else peak.peak - rss_loaded, "gpu_peak_above_model_bytes": None,
+            "ttft_s": stamps[1] - t0, "prefill_tok_s": ids.shape[1] / (stamps[1] - t0), "decode_step_s": steps,
+            "decode_ms_per_tok": 1000 * step, "decode_tok_s": 1 / step, "cache_bytes": cache_bytes,
+            "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_bytes}
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -515,7 +556,7 @@ def run_worker(settings: Dict[str, Any], timeout: float) -> Dict[str, Any]:
 def _settings(c: LongctxConfig, folder: str, random: bool, arm: ArmSpec, length: int) -> Dict[str, Any]:
     return {"model": folder, "random": random, "arm": asdict(arm), "length": length, "batch": c.batch,
             "decode_tokens": c.decode_tokens, "dtype": c.dtype, "device": c.device, "threads": c.threads,
-            "segment": c.segment, "seed": c.seed}
+            "segment": c.segment, "seed": c.seed, "generate": c.generate}
 
 
 def _mb(x: Optional[float]) -> Optional[float]:

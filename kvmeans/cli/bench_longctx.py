@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="prefill segment of the streaming arms and of kvm arms whose spec sets no prefill_segment "
                         "(default 1024)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed (default 1800)")
+    p.add_argument("--generate", action="store_true", help="run model.generate on the prompt instead of a forward "
+                   "and a decode loop (batch 1; full and kvm arms): what a user gets with no setting")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of random weights (default 0)")
     return p
 
@@ -56,7 +58,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     config = LongctxConfig(model=a.model, out=a.out, arms=parse_arms(a.arms), lengths=a.lengths,
                            decode_tokens=a.decode_tokens, batch=a.batch, dtype=a.dtype, device=a.device,
-                           threads=a.threads, segment=a.segment, seed=a.seed, timeout=a.timeout)
+                           threads=a.threads, segment=a.segment, seed=a.seed, timeout=a.timeout,
+                           generate=a.generate)
     rows: List[dict] = run(config, log=lambda msg: print(msg, flush=True))
     print(rows_table(rows, config.arms))
     out = Path(a.out)

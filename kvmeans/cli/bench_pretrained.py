@@ -11,25 +11,22 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from kvmeans.eval import ruler
+from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, streaming_arm
 from kvmeans.pretrained.bench import (
     ARMS,
     DEFAULT_KVM,
-    Arm,
     _recall_setting,
     _settings,
     _write,
     all_samples,
-    distilled_arm,
     kept_keys,
-    kvm_arm,
-    kvm_settings,
     merge_kvpress,
     ppl_row,
-    streaming_arm,
     tables,
     write_samples,
 )
 from kvmeans.utils.args import UsageError, check_out_dir
+from kvmeans.utils.progress import progress_bar
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -137,10 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = {k: v for k, v in vars(a).items()}
     settings["kvm_settings"] = kvm
     print(format_env(info), flush=True)
-    bar = None
-    if not a.no_progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, unit="run", dynamic_ncols=True)
+    bar = progress_bar(total, not a.no_progress, unit="run")
     tick = bar.update if bar is not None else None
 
     def record(row, ans=()):

@@ -8,4 +8,6 @@ from kvmeans.cli._dispatch import run_subcommand
 
 def main(argv: List[str]) -> int:
     return run_subcommand("kvmeans data", "action", {
-        "prepare": ("kvmeans.cli.data_prepare", "tokenize files into a token file: `--input PATH... --out DIR`")}, argv)
+        "prepare": ("kvmeans.cli.data_prepare", "tokenize files into a token file: `--input PATH... --out DIR`"),
+        "corpora": ("kvmeans.cli.data_corpora", "the offline evaluation corpora: their table; `--verify` loads and "
+                    "hash-checks each installed one")}, argv)

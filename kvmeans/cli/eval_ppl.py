@@ -11,7 +11,8 @@ import torch
 
 from kvmeans.cli._common import add_kvm_argument
 from kvmeans.models.load import load_hf_tokenizer
-from kvmeans.pretrained.ppl import Arm, _kvm_arm, _saved_arm, _saved_conversion, evaluate, parse_arms, text_windows
+from kvmeans.pretrained.arms import Arm, kvm_spec_arm, saved_arm
+from kvmeans.pretrained.ppl import _saved_conversion, evaluate, parse_arms, text_windows
 from kvmeans.utils.args import UsageError, check_out_dir, parse_kvm_arg
 from kvmeans.utils.weights import CorruptWeightsError, named_weight_errors
 
@@ -68,11 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     except CorruptWeightsError as err:
         raise UsageError(f"--model {a.model}: {err}") from None
-    arms = [Arm(name, model, sinks, window) for name, sinks, window in specs]
+    arms = [Arm(name, model, sinks=sinks, window=window) for name, sinks, window in specs]
     if kvm is not None:
-        arms.append(_kvm_arm(model, kvm, a.length))
+        arms.append(kvm_spec_arm(model, kvm, a.length))
     if saved is not None:
-        arms.append(_saved_arm(a.model, saved, a.length))
+        arms.append(saved_arm(a.model, a.length))
     info = env_info()
     print(format_env(info), flush=True)
     rows = evaluate(arms, windows, log=lambda msg: print(msg, file=sys.stderr, flush=True))

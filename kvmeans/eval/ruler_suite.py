@@ -31,11 +31,11 @@ from kvmeans.eval.niah import (
     column_label,
     generate_batch,
     haystack_for,
-    progress_bar,
     prompt_ids,
     write_json_and_csv,
 )
 from kvmeans.eval.ruler_tasks.qa import QAData
+from kvmeans.utils.progress import progress_bar
 
 __all__ = ["run_ruler", "averages", "format_table", "write_results"]
 
@@ -70,7 +70,7 @@ def run_ruler(model, tokenizer, tasks: Sequence[str] = rt.SYNTHETIC_TASKS, lengt
     tasks, lengths = list(dict.fromkeys(tasks)), [int(n) for n in lengths]
     _check_args(tasks, lengths, samples, batch_size, max_new_tokens, qa_data)
     hay = haystack_for(tasks, haystack_file)
-    bar = progress_bar(len(tasks) * len(lengths) * samples, progress)
+    bar = progress_bar(len(tasks) * len(lengths) * samples, progress, unit="sample")
     scores, per_sample = [], []
     t0 = time.perf_counter()
     try:

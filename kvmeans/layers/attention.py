@@ -3,7 +3,7 @@
 Per call: ``q, k, v = x Wq, x Wk, x Wv`` -> value residual on v -> token shift on q, k, v ->
 heads -> ``ln_q`` / ``ln_k`` over D -> RoPE on the first ``rope_dim`` channels -> a mixing core
 (KVM here; full / sliding-window / OVQ in ``baselines.py`` / ``ovq.py``) -> ``c_proj``.
-Parameter names follow the authors' checkpoints (reference-semantics 5.3).
+Parameter names follow the authors' checkpoints (docs/reference-conventions.md §5.3).
 No attention maths lives here.
 """
 from __future__ import annotations

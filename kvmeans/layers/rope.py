@@ -1,4 +1,4 @@
-"""Partial rotary position embedding in the authors' convention (reference-semantics 4.5).
+"""Partial rotary position embedding in the authors' convention (docs/reference-conventions.md §4.5).
 
 Differences from the common ``theta**(-2j/r)`` RoPE, all deliberate for checkpoint parity:
 the rotated channels are the first ``rope_dim`` ones in adjacent pairs (0,1), (2,3), ...;

@@ -1,7 +1,7 @@
 """RWKV-style token shift: ``shift(a)_t = a_t + alpha * (a_{t-1} - a_t)`` per channel.
 
 Used on the projected q, k, v of the attention layer and on the MLP input
-(reference-semantics 4.2). The predecessor of the first token is either the token itself
+(docs/reference-conventions.md §4.2). The predecessor of the first token is either the token itself
 (``"first"``: position 0 unchanged; attention) or zero (``"zero"``; MLP). A decode step passes
 the last input of the previous call instead, which makes split calls equal one full call.
 """

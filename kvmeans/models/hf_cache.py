@@ -49,7 +49,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvmeans.models.cache import ModelCache
-from kvmeans.utils.rows import split_selection
+from kvmeans.utils.rows import by_count, put_real, split_selection, take_real
 
 __all__ = ["KVMCache", "KVMCacheLayer", "format_bytes"]
 
@@ -219,27 +219,15 @@ class KVMCache(Cache):
             return hidden
         out: Optional[Tensor] = None
         new_groups: List[_Group] = []
-        for g in self.groups:
-            c = counts[g.rows]
-            for n in c.unique().tolist():
-                local = (c == n).nonzero().flatten()
-                rows = g.rows[local]
-                sub = g.cache if (len(local) == len(g.rows) or g.cache is None) else g.cache.index_select(local)
-                if n > 0:
-                    dev_rows = rows.to(input_ids.device)
-                    ids = input_ids[dev_rows]
-                    if mask is not None:
-                        ids = ids[mask[dev_rows].bool()].view(len(rows), n)
-                    hidden, sub = backbone(ids, sub)
-                    if out is None:
-                        out = hidden.new_zeros(B, T, hidden.shape[-1])
-                    if mask is None:
-                        out[dev_rows] = hidden
-                    else:
-                        block = out[dev_rows]
-                        block[mask[dev_rows].bool()] = hidden.reshape(-1, hidden.shape[-1])
-                        out[dev_rows] = block
-                new_groups.append(_Group(rows, sub))
+        for gi, n, local, rows in by_count([g.rows for g in self.groups], counts):
+            g = self.groups[gi]
+            sub = g.cache if (len(local) == len(g.rows) or g.cache is None) else g.cache.index_select(local)
+            if n > 0:
+                hidden, sub = backbone(take_real(input_ids, rows, mask, n, 1), sub)
+                if out is None:
+                    out = hidden.new_zeros(B, T, hidden.shape[-1])
+                put_real(out, rows, mask, hidden, 1)
+            new_groups.append(_Group(rows, sub))
         self.groups = new_groups
         self._finish(T, counts)
         return out

@@ -1,6 +1,6 @@
 """Read the authors' checkpoints (HF ``model_type: "rwkv7backbone"``) and convert them to ours.
 
-Their directory (reference-semantics 5.1-5.4): ``config.json`` with every field of their flat config
+Their directory (docs/reference-conventions.md §5.1-5.4): ``config.json`` with every field of their flat config
 dataclass (~120 keys, most dead), bf16 ``model.safetensors`` (or shards, or ``pytorch_model.bin``),
 GPT-2 tokenizer files. Parameter names are the ones our model uses, so conversion is: map the config
 (:func:`reference_config_to_ours`, refusing every flag we cannot reproduce), check every tensor name

@@ -1,7 +1,7 @@
 """The authors' checkpoint format: config keys and defaults, tensor layout, a tiny synthetic checkpoint.
 
 ``REFERENCE_DEFAULTS`` transcribes the defaults of their flat config dataclass
-(``MixerConfigDataclass`` in ``model/rwkv7_backbone.py`` at HEAD, reference-semantics 1.1 / 5.2);
+(``MixerConfigDataclass`` in ``model/rwkv7_backbone.py`` at HEAD, docs/reference-conventions.md §1.1, §5.2);
 their ``config.json`` always holds every one of these keys.
 """
 from __future__ import annotations

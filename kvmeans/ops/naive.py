@@ -2,7 +2,7 @@
 
 Every fast path is tested against this file. It follows the paper's Method section and
 Algorithm 1 (pseudocode appendix), with the conventions of the authors' eager reference
-(shared/notes/reference-semantics.md, sections 1 and 11). Slow on purpose.
+(docs/reference-conventions.md §1 and §11). Slow on purpose.
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
     while pos < t0 + T:
         e = min(t0 + T, (pos // C + 1) * C)   # queries [pos, e) lie in one chunk
         new = slice(pos - t0, e - t0)
-        wk, wv, wg = torch.cat([wk, k[:, :, new]], 2), torch.cat([wv, v[:, :, new]], 2), torch.cat([wg, gate[:, :, new]], 2)
+        wk = torch.cat([wk, k[:, :, new]], 2)
+        wv = torch.cat([wv, v[:, :, new]], 2)
+        wg = torch.cat([wg, gate[:, :, new]], 2)
 
         # 1. Initial state = the first chunk, copied: s^K_i = k_bar_i, s^V_i = v_i, rho_i = |v_i|.
         if cov < min(e, C):
@@ -73,7 +75,8 @@ def naive_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state: KV
             K = K.scatter_add(2, dest.unsqueeze(-1).expand_as(dk), dk)       # s_new = s_+ + sum of merged
             V = V.scatter_add(2, dest.unsqueeze(-1).expand_as(dv), dv)
             if state.value_radius:   # rho of a new row = |its appended value|; merges leave rho unchanged
-                R = torch.cat([R, R.new_zeros(*R.shape[:2], pad)], 2).scatter_add(2, dest, torch.where(appended, rad, 0))
+                R = torch.cat([R, R.new_zeros(*R.shape[:2], pad)], 2).scatter_add(2, dest,
+                                                                                 torch.where(appended, rad, 0))
             else:                    # ablation: count tokens per row
                 R = torch.cat([R, R.new_zeros(*R.shape[:2], pad)], 2).scatter_add(2, dest, torch.ones_like(rad))
             cov = step.start + C

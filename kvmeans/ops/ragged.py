@@ -7,7 +7,7 @@ one batched step, with the recurrent path's maths row by row:
 * each row's token is written at its own window slot;
 * rows still filling their first chunk copy the token as a state row (batched);
 * a row whose window start moves (a chunk boundary: an update, then a slide) runs
-  :func:`~kvmeans.ops.recurrent.absorb` on a one-row view of the buffers (once per ``chunk_len`` tokens a row);
+  :func:`~kvmeans.ops.state.absorb` on a one-row view of the buffers (once per ``chunk_len`` tokens a row);
 * the attention reads every row's ``[state rows ; window]`` at once with per-row masks (state rows
   ``>= rows[b]``, all of them while row ``b``'s state is inactive, window slots ``>= window_len[b]``): a
   softmax over masked scores, or the Triton decode kernel with per-row lengths (``attn="triton"``). A
@@ -29,10 +29,9 @@ import torch
 from torch import Tensor
 
 from kvmeans.ops.budget import is_data_dependent
-from kvmeans.ops.recurrent import absorb
 from kvmeans.ops.routing import memory_keys, readout
 from kvmeans.ops.schedule import bswa_begin
-from kvmeans.ops.state import KVMState, RowSchedule
+from kvmeans.ops.state import KVMState, RowSchedule, absorb
 
 __all__ = ["ragged_kvm_attention", "split_call"]
 

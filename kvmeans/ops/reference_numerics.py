@@ -2,8 +2,8 @@
 
 The default ("exact") numerics compute in fp32 for half inputs, route with the ungated memory key
 and read the state out in the compute dtype (docs/algorithm.md, deviation ledger). This module
-instead reproduces what the authors' eager code (``model/kvm_mixer.py``, reference-semantics
-1.6-1.11, 10) does with tensors of the model dtype ``md`` (= the dtype of q, k, v: bf16 for the
+instead reproduces what the authors' eager code (``model/kvm_mixer.py``, docs/reference-conventions.md
+§1.6-1.11, §10) does with tensors of the model dtype ``md`` (= the dtype of q, k, v: bf16 for the
 released models, fp32 or fp64 in a full-precision run):
 
 * state raw key / value sums are stored in ``md`` (initial rows and appended rows as computed,
@@ -78,7 +78,9 @@ def reference_kvm_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, state
     while pos < t0 + T:
         e = min(t0 + T, (pos // C + 1) * C)   # queries [pos, e) lie in one chunk
         new = slice(pos - t0, e - t0)
-        wk, wv, wg = torch.cat([wk, k[:, :, new]], 2), torch.cat([wv, v[:, :, new]], 2), torch.cat([wg, gate[:, :, new]], 2)
+        wk = torch.cat([wk, k[:, :, new]], 2)
+        wv = torch.cat([wv, v[:, :, new]], 2)
+        wg = torch.cat([wg, gate[:, :, new]], 2)
 
         if cov < min(e, C):                   # initial state: prepared keys, raw values, fp32 radii
             idx = slice(cov - w_start, min(e, C) - w_start)
@@ -123,7 +125,7 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
 
 def _update(K, V, R, kb, vb, gb, n_append: int, sink_len: int, *, rope_dim, ln_args, gate_keys, gate_values,
             gate_appends, value_radius):
-    """One overflow block ``kb/vb/gb [B,Hkv,C,*]`` enters the state (reference-semantics 1.8)."""
+    """One overflow block ``kb/vb/gb [B,Hkv,C,*]`` enters the state (docs/reference-conventions.md §1.8)."""
     ln = lambda x: state_layer_norm(x, *ln_args)       # noqa: E731  (md in, md out)
     sel = memory_keys(kb, rope_dim, *ln_args)           # select key (ungated), in md
     g = gb.unsqueeze(-1)

@@ -13,7 +13,7 @@ from typing import Callable, List
 
 def bswa_begin(total: int, chunk_len: int, n_bswa_chunks: int) -> int:
     """First uncompressed token once ``total`` tokens exist: the current (partial) chunk
-    plus the n-1 full chunks before it (reference-semantics 1.5)."""
+    plus the n-1 full chunks before it (docs/reference-conventions.md §1.5)."""
     c = chunk_len
     return max(0, -(-total // c) * c - n_bswa_chunks * c)
 
@@ -30,7 +30,7 @@ def desired_rows(budget: Callable[[int], int], block_start: int, rows: int, chun
 
     The queries that just attended saw ``ctx_len = block_start + L`` tokens; the state can hold
     at most the ``block_start + C`` tokens it will cover; it never shrinks (paper:
-    ``M* = max(m, min(B(e), m + C))``, reference-semantics 1.4).
+    ``M* = max(m, min(B(e), m + C))``, docs/reference-conventions.md §1.4).
     """
     ctx_len = block_start + n_bswa_chunks * chunk_len
     target = budget(ctx_len)

@@ -7,6 +7,13 @@ A ragged batch (rows that have seen different numbers of tokens, e.g. left-padde
 lengths) is one state with a :class:`RowSchedule`: each row's tokens seen, state rows and coverage. Row
 ``b`` keeps its state rows in ``keys[b, :, :rows[b]]`` and its window in ``window_keys[b, :, :window_len]``
 of its own position; :meth:`KVMState.stack` builds one, :meth:`KVMState.split` takes it apart.
+
+Buffer upkeep, shared by the paths that write a state in place (recurrent, the no-grad prefill, the chunked
+path's routing pass, ragged decode): :func:`own_buffers` gives a state preallocated buffers of its own that grow
+geometrically (:func:`reserve_rows`, :func:`reserve_window`); the read-out rows live right before the window in
+one buffer per keys / values (:func:`joint_buffers`), so a one-token step reads ``[rows ; window]`` at once;
+:func:`readout_cached` computes the read-out once per state version; :func:`absorb` brings the rows up to date
+(the initial copy, then one routed update per block that left the window).
 """
 from __future__ import annotations
 
@@ -18,9 +25,12 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from kvmeans.ops.schedule import bswa_begin
+from kvmeans.ops.budget import is_data_dependent
+from kvmeans.ops.routing import memory_keys, readout, route_novelty, route_overflow, state_layer_norm, token_streams
+from kvmeans.ops.schedule import bswa_begin, plan_updates
 
-__all__ = ["KVMState", "BatchedState", "RowSchedule"]
+__all__ = ["KVMState", "BatchedState", "RowSchedule", "own_buffers", "reserve_rows", "reserve_window", "write_window",
+           "joint_buffers", "readout_cached", "absorb"]
 
 
 class BatchedState:
@@ -358,3 +368,159 @@ class KVMState(BatchedState):
 
 
 torch.serialization.add_safe_globals([KVMState, RowSchedule])
+
+
+# ---- buffer upkeep (the recurrent path, the no-grad prefill, the routing pass, ragged decode) ----------------
+def own_buffers(state: KVMState, rows: int = 0, window: int = 0) -> None:
+    """Make the state's buffers its own (detached, preallocated) so they can be written in place,
+    with room for at least ``rows`` rows and ``window`` window tokens (both grow geometrically on demand:
+    sized by the tokens present, never by the configured maximum)."""
+    if state._owned:
+        reserve_rows(state, rows)
+        reserve_window(state, window)
+        return
+    _alloc(state, max(state.num_rows, rows, 1), max(state.window_len, window, 1), *state.rows(), *state.window())
+
+
+def reserve_rows(state: KVMState, rows: int) -> None:
+    """Room for ``rows`` state rows in the owned buffers."""
+    if rows > state.row_capacity:                    # geometric growth: amortised O(1) copies per row
+        _alloc(state, max(rows, 2 * state.row_capacity), state.window_capacity, *state.rows(),
+               state.window_keys, state.window_values, state.window_gates)
+
+
+def reserve_window(state: KVMState, tokens: int) -> None:
+    """Room for ``tokens`` window tokens (the recurrent path asks for at most ``L``; the cap ``L + C`` serves callers
+    that write a chunk before absorbing the block it pushes out)."""
+    if tokens > state.window_capacity:
+        most = (state.n_bswa_chunks + 1) * state.chunk_len
+        _alloc(state, state.row_capacity, min(max(tokens, 2 * state.window_capacity), most), *state.rows(),
+               *state.window())
+
+
+def _alloc(state, rows_cap, win_cap, keys, values, radii, wk, wv, wg):
+    """New owned buffers of ``rows_cap`` rows and ``win_cap`` window tokens holding the given rows and window."""
+    B, Hkv, D, Dv = keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3]
+    fresh = KVMState.empty(B, Hkv, D, Dv, dtype=keys.dtype, device=keys.device, chunk_len=state.chunk_len,
+                           n_bswa_chunks=state.n_bswa_chunks, sink_len=state.sink_len, rope_dim=state.rope_dim,
+                           value_radius=state.value_radius, row_capacity=rows_cap, window_capacity=0)
+    # [read-out rows (right-aligned, written by readout_cached) ; window]: the window buffers are views of these
+    joint = [keys.new_zeros(B, Hkv, rows_cap + win_cap, d) for d in (D, Dv)]
+    fresh.window_keys, fresh.window_values = (j[:, :, rows_cap:] for j in joint)
+    fresh.window_gates = wg.new_zeros(B, Hkv, win_cap)
+    m, w = keys.shape[2], wk.shape[2]
+    fresh.keys[:, :, :m], fresh.values[:, :, :m], fresh.radii[:, :, :m] = keys, values, radii
+    fresh.window_keys[:, :, :w], fresh.window_values[:, :, :w], fresh.window_gates[:, :, :w] = wk, wv, wg
+    for name in ("keys", "values", "radii", "window_keys", "window_values", "window_gates"):
+        setattr(state, name, getattr(fresh, name))
+    state._joint = joint
+    # the decode kernel's [rows, window_len] (int32, on the device; the recurrent path keeps it current): kept when
+    # an owned state grows its rows, new for a state that is not owned yet (a copy must not share it)
+    if not state._owned or getattr(state, "_lengths", None) is None:
+        state._lengths = (torch.zeros(2, dtype=torch.int32, device=keys.device), [0, 0])
+    state._owned, state._readout = True, None
+
+
+def write_window(state: KVMState, at: int, k: Tensor, v: Tensor, g: Tensor) -> None:
+    """Write tokens ``k, v, g`` (``[B, Hkv, t, ...]``) into the window buffers from slot ``at``."""
+    reserve_window(state, at + k.shape[2])
+    sl = slice(at, at + k.shape[2])
+    state.window_keys[:, :, sl], state.window_values[:, :, sl], state.window_gates[:, :, sl] = k, v, g
+
+
+def joint_buffers(state: KVMState):
+    """``(keys, values, cap)``: the buffers ``[B, Hkv, cap + window_capacity, D|Dv]`` whose slots from ``cap`` on are
+    the state's window buffers (:func:`_alloc`), or None when the state's buffers are not laid out so."""
+    joint = getattr(state, "_joint", None) if state._owned else None
+    if joint is None or state.window_keys._base is not joint[0] or state.window_values._base is not joint[1]:
+        return None
+    cap = joint[0].shape[2] - state.window_capacity
+    return (*joint, cap) if state.num_rows <= cap else None
+
+
+def readout_cached(state: KVMState, ln):
+    """``(k_hat [B, Hkv, m, D], v_hat [B, Hkv, m, Dv])``: the read-out state rows (LN_s keys, radius-scaled
+    values), computed once per state version and LN_s parameters (``ln = (weight, bias, eps)``); shared by the
+    routing of an update and the attention read."""
+    w, b, eps = ln
+    key = (state.num_rows, id(w), None if w is None else w._version, id(b), None if b is None else b._version, eps)
+    if state._readout is None or state._readout[0] != key:
+        k_hat, v_hat = readout(*state.rows(), state.value_radius, *ln)
+        joint = joint_buffers(state)
+        if joint is not None:           # kept right before the window: one read of [rows ; window] per step
+            kj, vj, cap = joint
+            m = state.num_rows
+            k_hat, v_hat = kj[:, :, cap - m:cap].copy_(k_hat), vj[:, :, cap - m:cap].copy_(v_hat)
+        state._readout = (key, k_hat, v_hat)
+    return state._readout[1], state._readout[2]
+
+
+def absorb(state: KVMState, keys: Tensor, values: Tensor, gates: Tensor, origin: int, total: int, budget, ln,
+           gate_keys=True, gate_values=True, gate_appends=False, attn="torch") -> list:
+    """Bring the state rows up to date for a sequence of ``total`` tokens, in place: copy the first
+    chunk, then absorb every block that has left the window. Token ``p`` is read from
+    ``keys/values/gates[:, :, p - origin]`` (``[B, Hkv, N, D]``, ``[B, Hkv, N, Dv]``, ``[B, Hkv, N]``).
+
+    Returns what happened, ``[(start, n_tokens, dest, appended)]``: ``dest [B, Hkv, n]`` rows the tokens
+    joined and ``appended [B, Hkv, n]`` which created them (both None for the initial copy, whose
+    tokens become rows ``rows_before, ...`` in order). ``attn="triton"``: the updates use the Triton
+    routing / scatter kernels (:func:`_update`).
+    """
+    C, cov, records = state.chunk_len, state.coverage, []
+    fill = min(total, C) - cov
+    if fill > 0:                                     # the first chunk is copied: rows k_bar, v, |v|
+        reserve_rows(state, state.num_rows + fill)
+        m, loc = state.num_rows, slice(cov - origin, cov + fill - origin)
+        vals = values[:, :, loc]
+        state.keys[:, :, m:m + fill] = memory_keys(keys[:, :, loc], state.rope_dim, *ln)
+        state.values[:, :, m:m + fill] = vals
+        state.radii[:, :, m:m + fill] = vals.norm(dim=-1) if state.value_radius else 1
+        state.num_rows, state.coverage, state._readout = m + fill, cov + fill, None
+        records.append((cov, fill, None, None))
+    for step in plan_updates(budget, state.coverage, state.num_rows, total, C, state.n_bswa_chunks):
+        loc = slice(step.start - origin, step.start + C - origin)
+        dest, app = _update(state, step, keys[:, :, loc], values[:, :, loc], gates[:, :, loc], ln, gate_keys,
+                            gate_values, gate_appends, attn, budget if is_data_dependent(budget) else None)
+        records.append((step.start, C, dest, app))
+    return records
+
+
+def _update(state: KVMState, step, kb, vb, gb, ln, gate_keys, gate_values, gate_appends, attn="torch", growth=None):
+    """The overflow block ``[step.start, step.start + C)`` (raw keys ``kb``, values, gates) enters the state;
+    returns its routing ``(dest, appended)``, each ``[B, Hkv, C]``. ``attn="triton"`` (fp32 state): routing by
+    ``route_overflow_triton`` (same rule and ties as ``route_overflow``), sums by ``scatter_add_rows``.
+    ``growth``: a novelty budget (``route_novelty``, rows per kv head in ``state.row_count``; torch only)."""
+    kbar = memory_keys(kb, state.rope_dim, *ln)
+    append_hat = None                                # LN_s of the key each token would get as a new row
+    if step.n_append > 0 or growth is not None:
+        everyone = torch.ones_like(gb, dtype=torch.bool)
+        ak, _, _ = token_streams(kbar, vb, gb, everyone, gate_keys=gate_keys, gate_values=gate_values,
+                                 gate_appends=gate_appends)
+        append_hat = state_layer_norm(ak, *ln)
+    rows_hat, _ = readout_cached(state, ln)         # LN_s of the state: shared with the attention readout
+    fused = attn == "triton" and state.keys.dtype == torch.float32 and state.radii.dtype == torch.float32
+    if fused:
+        from kvmeans.ops.triton import update as tri
+        route = tri.route_overflow_triton
+    else:
+        route = route_overflow
+    if growth is not None:
+        dest, app, state.row_count = route_novelty(rows_hat, state.rows_in_use(), kbar, append_hat, growth.threshold,
+                                                   growth.n, state.sink_len)
+        m1 = max(state.num_rows, int(state.row_count.max()))
+    else:
+        dest, app = route(rows_hat, kbar, append_hat, step.n_append, state.sink_len)
+        m1 = step.rows_after
+    dk, dv, rad = token_streams(kbar, vb, gb, app, gate_keys=gate_keys, gate_values=gate_values,
+                                gate_appends=gate_appends)
+    reserve_rows(state, m1)
+    if fused:                                        # fp32 atomics into the preallocated buffers
+        d32 = dest.to(torch.int32)
+        tri.scatter_add_rows(state.keys, d32, dk)
+        tri.scatter_add_rows(state.values, d32, dv)
+        radius = torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad)
+        tri.scatter_add_rows(state.radii.unsqueeze(-1), d32, radius.unsqueeze(-1))
+    else:
+        state.add_rows_(dest, dk, dv, torch.where(app, rad, 0) if state.value_radius else torch.ones_like(rad))
+    state.num_rows, state.coverage, state._readout = m1, step.start + state.chunk_len, None
+    return dest, app

@@ -5,5 +5,6 @@
 training-free KVM op over the model's own q/k/v, with ``routing.py``, ``reserve.py`` and ``board.py``
 deciding which tokens keep rows; ``batch.py`` runs padded batches and rollback; ``cache.py`` is the
 cache layer ``generate`` sees; ``distill.py`` trains the learned read-out; ``ppl.py`` and ``bench.py``
-compare full attention, StreamingLLM, KVM and kvpress; ``fetch.py`` brings real models from PyPI.
+compare full attention, StreamingLLM, KVM and kvpress, with the arms, StreamingLLM's mask and the forward per
+window of ``arms.py``; ``fetch.py`` brings real models from PyPI.
 """

@@ -30,23 +30,12 @@ import torch
 from torch import Tensor
 
 from kvmeans.pretrained.op import ConvertedKVMState
-from kvmeans.utils.rows import split_selection
+from kvmeans.utils.rows import by_count, put_real, split_selection, take_real
 
 # keyword tensors of the attention function given per row and token: name -> axis of the tokens (rows: axis 0)
 PER_TOKEN = {"cos": 1, "sin": 1, "positions": 1, "merge_gate": 2}
 
 Part = Tuple[Optional[Tensor], ConvertedKVMState]       # (batch rows [g] ascending, or None: all rows in order)
-
-
-def _take(x: Tensor, rows: Tensor, mask: Optional[Tensor], n: int, axis: int) -> Tensor:
-    """Rows ``rows`` of ``x`` (batch axis 0; a batch of 1 is broadcast) and, per row, its ``n`` real tokens
-    (``mask`` columns) along ``axis``."""
-    x = x[rows.to(x.device)] if x.shape[0] > 1 else x.expand(len(rows), *x.shape[1:])
-    if mask is None:
-        return x
-    moved = x.movedim(axis, 1)                                  # [g, T, ...]
-    picked = moved[mask[rows.to(mask.device)].to(x.device)]     # [g * n, ...], row-major
-    return picked.reshape(len(rows), n, *moved.shape[2:]).movedim(1, axis)
 
 
 class ConvertedBatchState:
@@ -114,28 +103,18 @@ class ConvertedBatchState:
         new = torch.full((B,), T) if mask is None else mask.sum(1).cpu()
         out = q.new_zeros(B, q.shape[1], T, v.shape[-1])
         parts: List[Part] = []
-        for rows, st in self.parts:
-            all_rows = torch.arange(B) if rows is None else rows
-            counts = new[all_rows]
-            for n in counts.unique().tolist():
-                local = (counts == n).nonzero().flatten()
-                whole = len(local) == len(all_rows)
-                sub = st if whole else st.copy().index_select(local)
-                r = all_rows[local]
-                if n > 0:
-                    args = {name: (_take(t, r, mask, n, PER_TOKEN[name]) if name in PER_TOKEN and t is not None
-                                   else t) for name, t in kwargs.items()}
-                    if args.get("layer_novelty") is not None:      # the part's own entries on the board
-                        args["layer_novelty"] = functools.partial(args["layer_novelty"], rows=tuple(r.tolist()))
-                    res = fn(*(_take(x, r, mask, n, 2) for x in (q, k, v)), sub, **args)
-                    dev = r.to(out.device)
-                    if mask is None:
-                        out[dev] = res
-                    else:
-                        block = out[dev].transpose(1, 2)                        # [g, T, H, Dv]
-                        block[mask[dev]] = res.transpose(1, 2).reshape(-1, res.shape[1], res.shape[-1])
-                        out[dev] = block.transpose(1, 2)
-                parts.append((rows if whole else r, sub))
+        groups = [torch.arange(B) if rows is None else rows for rows, _ in self.parts]
+        for p, n, local, r in by_count(groups, new):
+            rows, st = self.parts[p]
+            whole = len(local) == len(groups[p])
+            sub = st if whole else st.copy().index_select(local)
+            if n > 0:
+                args = {name: (take_real(t, r, mask, n, PER_TOKEN[name]) if name in PER_TOKEN and t is not None
+                               else t) for name, t in kwargs.items()}
+                if args.get("layer_novelty") is not None:      # the part's own entries on the board
+                    args["layer_novelty"] = functools.partial(args["layer_novelty"], rows=tuple(r.tolist()))
+                put_real(out, r, mask, fn(*(take_real(x, r, mask, n, 2) for x in (q, k, v)), sub, **args), 2)
+            parts.append((rows if whole else r, sub))
         self.parts = parts
         return out
 

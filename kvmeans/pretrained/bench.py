@@ -26,44 +26,46 @@ Perplexity by position (``ppl``): ``--ppl-windows`` windows of Shakespeare (:fun
 position of the predicted token (``[1, 256)``, then doubling).
 
 Reported per row: the score, kept keys, cache bytes held after the context (measured: the cache's tensors),
-prefill tokens/s (the context) and answer tokens/s (question and answer tokens over the time after the context). Outputs (atomic): ``bench.csv``, ``bench.json`` (settings, env, rows,
-per-sample answers), ``samples.jsonl``; rewritten after every arm so a long run keeps what it measured.
+prefill tokens/s (the context) and answer tokens/s (question and answer tokens over the time after the
+context). Outputs (atomic): ``bench.csv``, ``bench.json`` (settings, env, rows, per-sample answers),
+``samples.jsonl``; rewritten after every arm so a long run keeps what it measured.
+
+The arms, the StreamingLLM mask and the forward per window are :mod:`kvmeans.pretrained.arms`' (shared with
+``kvmeans eval ppl``).
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from kvmeans.eval import ruler
+from kvmeans.pretrained.arms import (
+    Arm,
+    distilled_arm,
+    evict,
+    kvm_arm,
+    kvm_settings,
+    run_windows,
+    streaming_arm,
+    streaming_mask,
+)
 from kvmeans.utils.args import UsageError
 from kvmeans.utils.io import atomic_write_text
 
 __all__ = ["Arm", "chat_parts", "niah_samples", "ruler_samples", "sample_sha256", "write_samples", "read_samples",
-           "answer", "streaming_mask", "evict", "position_buckets", "ppl_row", "recall_rows", "merge_kvpress"]
+           "answer", "streaming_mask", "evict", "position_buckets", "ppl_row", "recall_rows", "merge_kvpress",
+           "streaming_arm", "kvm_settings", "kvm_arm", "distilled_arm"]
 
 NIAH_DEPTHS = (10, 30, 50, 70, 90)
 DEFAULT_KVM = "chunk_len=32,n_bswa_chunks=4,sink_len=4"
 ARMS = ("full", "streaming", "kvm")
-
-
-@dataclass
-class Arm:
-    """One compared method: ``model`` as is (``sinks=None``) or under StreamingLLM (``sinks`` + ``window``)."""
-    name: str
-    model: Any
-    kept_keys: Optional[int] = None
-    sinks: Optional[int] = None
-    window: Optional[int] = None
 
 
 # ---- samples -------------------------------------------------------------------------------------------------
@@ -156,24 +158,6 @@ def read_samples(path) -> List[Dict[str, Any]]:
 
 
 # ---- running one prompt ---------------------------------------------------------------------------------------
-def streaming_mask(key_pos: torch.Tensor, query_pos: torch.Tensor, sinks: int, window: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """``[1, 1, Q, K]`` additive mask: the query at position p sees keys at positions ``< sinks`` and
-    ``(p - window, p]``."""
-    k, q = key_pos[None, :], query_pos[:, None]
-    keep = (k <= q) & ((k < sinks) | (k > q - window))
-    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, torch.finfo(dtype).min)[None, None]
-
-
-def evict(cache, key_pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Keep only the cached keys/values where ``keep [K]`` is true (every layer); returns their positions."""
-    idx = keep.nonzero().squeeze(1)
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(-2, idx.to(layer.keys.device))
-        layer.values = layer.values.index_select(-2, idx.to(layer.values.device))
-    return key_pos[idx]
-
-
 def _stop_ids(model, tokenizer) -> set:
     eos = getattr(model.config, "eos_token_id", None)
     eos = tokenizer.eos_token_id if eos is None else eos
@@ -231,94 +215,17 @@ def position_buckets(length: int, first: int = 256) -> List[Tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _window_nll(arm: Arm, window: torch.Tensor) -> Tuple[torch.Tensor, int, float]:
-    """``(nll [T - 1], cache bytes after the window, seconds)`` of one forward over ``window [T]``."""
-    from transformers import DynamicCache
-
-    from kvmeans.models.hf_compat import cache_kwargs
-    from kvmeans.pretrained.cache import cache_nbytes
-    model = arm.model
-    device = next(model.parameters()).device
-    ids = window[None].to(device)
-    pos = torch.arange(window.shape[0])
-    cache, kw = DynamicCache(), {}
-    if arm.sinks is not None:
-        kw["attention_mask"] = streaming_mask(pos, pos, arm.sinks, arm.window, next(model.parameters()).dtype).to(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=True, **cache_kwargs(cache), **kw).logits[0, :-1].float()
-    secs = time.perf_counter() - t0
-    if arm.sinks is not None:
-        evict(cache, pos, (pos < arm.sinks) | (pos > window.shape[0] - arm.window))
-    return F.cross_entropy(logits, ids[0, 1:], reduction="none").cpu(), cache_nbytes(cache), secs
-
-
 def ppl_row(arm: Arm, windows: torch.Tensor, progress=None) -> Dict[str, Any]:
     """Perplexity of ``arm`` over ``windows [N, T]``, overall and per :func:`position_buckets` bucket."""
-    nll, nbytes, secs = [], 0, 0.0
-    for w in windows:
-        x, nbytes, s = _window_nll(arm, w)
-        nll.append(x)
-        secs += s
-        if progress:
-            progress(1)
-    nll_t = torch.stack(nll).double()
+    [(nll_t, nbytes, secs)] = run_windows([arm], windows, cache=True,
+                                          each=(lambda *_: progress(1)) if progress else None)
     length = windows.shape[1]
-    row = {"bench": "ppl", "length": length, "ratio": None, "arm": arm.name,
-           "kept_keys": length if arm.kept_keys is None else min(length, arm.kept_keys),
+    row = {"bench": "ppl", "length": length, "ratio": None, "arm": arm.name, "kept_keys": arm.kept(length),
            "score": math.exp(nll_t.mean().item()), "samples": len(windows), "cache_bytes": nbytes,
            "prefill_tok_s": windows.numel() / secs, "answer_tok_s": None}
     for lo, hi in position_buckets(length):
         row[f"ppl_{lo}_{hi}"] = math.exp(nll_t[:, lo - 1:hi - 1].mean().item())
     return row
-
-
-# ---- arms -----------------------------------------------------------------------------------------------------
-def _kvm_kept(settings: dict, length: int) -> int:
-    from kvmeans.pretrained.convert import KVMSpec
-    spec = KVMSpec.from_dict({k: v for k, v in settings.items() if k != "layers"})
-    return spec.state_budget(length) + spec.n_bswa_chunks * spec.chunk_len
-
-
-def streaming_arm(model, keys: int, sinks: int) -> Arm:
-    """StreamingLLM at ``keys`` kept keys: ``sinks`` + the last ``keys - sinks`` tokens."""
-    return Arm("streaming", model, keys, sinks, keys - sinks)
-
-
-def kvm_settings(keys: int, kvm: dict) -> dict:
-    """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys: ``kvm`` with its window shrunk to at most
-    ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed state budget; a
-    :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold ``exact_rows``."""
-    from kvmeans.ops.budget import StateBudget
-    from kvmeans.pretrained.convert import KVMSpec
-    # checked against the budget set below, not KVMSpec's default one
-    spec = KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
-    chunk, n = spec.chunk_len, spec.n_bswa_chunks
-    while n > 1 and n * chunk > keys // 2:
-        n -= 1
-    while n * chunk > keys // 2 and chunk // 2 > spec.sink_len:
-        chunk //= 2
-    if keys - n * chunk <= spec.sink_len:
-        raise UsageError(f"--kvm: {keys} kept keys leave no state rows beside a {n * chunk}-token window and "
-                         f"{spec.sink_len} sinks; use a smaller sink_len or a lower compression ratio")
-    settings = {**kvm, "chunk_len": chunk, "n_bswa_chunks": n, "budget": StateBudget.fixed(keys - n * chunk)}
-    most = KVMSpec(**{k: v for k, v in settings.items() if k not in ("layers", "exact_rows")}).max_exact_rows
-    if kvm.get("exact_rows", 0) > most:
-        raise UsageError(f"--kvm: exact_rows={kvm['exact_rows']} does not fit {keys} kept keys (window {n * chunk}, "
-                         f"state budget {keys - n * chunk}: at most budget - chunk_len = {most}); lower "
-                         "exact_rows, or drop the shorter lengths / higher ratios")
-    return settings
-
-
-def kvm_arm(model, keys: int, kvm: dict) -> Arm:
-    """Training-free KVM at ``keys`` kept keys on a converted copy of ``model`` (:func:`kvm_settings`)."""
-    from kvmeans.pretrained.convert import convert_hf
-    return Arm("kvm", convert_hf(copy.deepcopy(model), **kvm_settings(keys, kvm)), keys)
-
-
-def distilled_arm(model, length: int) -> Arm:
-    """A saved converted (distilled) model at its own settings; kept keys at ``length``."""
-    return Arm("kvm distilled", model, _kvm_kept(model.config.kvm_conversion, length))
 
 
 # ---- recall ---------------------------------------------------------------------------------------------------

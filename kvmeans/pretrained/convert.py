@@ -386,16 +386,17 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", **settings):
     return model
 
 
-def load_converted(path, **from_pretrained_kwargs):
-    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings (and, for
-    ``learned=True``, its learned KVM parameters from the folder's safetensors files)."""
+def load_converted(path, settings: Optional[dict] = None, **from_pretrained_kwargs):
+    """Load a model saved after :func:`convert_hf` and convert it again with its stored settings, or with
+    ``settings`` replacing some of them (e.g. another budget and window: the learned read-out does not depend on
+    them), and, for ``learned=True``, its learned KVM parameters from the folder's safetensors files."""
     with named_weight_errors(path):
         model = _from_pretrained_quiet_on_kvm_keys(path, **from_pretrained_kwargs)
-    settings = getattr(model.config, CONFIG_KEY, None)
-    if not settings:
+    stored = getattr(model.config, CONFIG_KEY, None)
+    if not stored:
         raise ValueError(f"{path} has no '{CONFIG_KEY}' in config.json: it was not saved from a converted model; "
                          "load it with from_pretrained and call kvmeans.convert_hf")
-    settings = dict(settings)
+    settings = {**stored, **(settings or {})}
     layers = settings.pop("layers")
     model = convert_hf(model, layers=layers, **vars(KVMSpec.from_dict(settings)))
     if settings.get("learned"):

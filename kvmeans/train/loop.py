@@ -40,7 +40,7 @@ from kvmeans.train.checkpoint import (
 )
 from kvmeans.train.config import ConfigError, RunConfig
 from kvmeans.train.data import TokenBatches, TokenFile
-from kvmeans.train.metrics import MetricsLog, Progress
+from kvmeans.train.metrics import MetricsLog, TrainProgress
 from kvmeans.train.optim import apply_schedule, build_optimizer, refresh_peaks
 from kvmeans.train.runtime import Runtime, build_model, grad_sync, setup_runtime
 from kvmeans.utils.io import atomic_dir, atomic_write_file
@@ -300,7 +300,7 @@ def _describe(run: Run, total: int) -> str:
             + (f"; resuming at step {run.step}" if run.step else ""))
 
 
-def run_loop(run: Run, stop: StopSignal, log: MetricsLog, progress: Progress) -> None:
+def run_loop(run: Run, stop: StopSignal, log: MetricsLog, progress: TrainProgress) -> None:
     """Steps until the end or a stop signal; validation, checkpoints and metrics along the way."""
     cfg, total = run.cfg, run.cfg.total_steps()
     loss = float("nan")
@@ -350,7 +350,7 @@ def train(cfg: RunConfig, resume: Optional[str] = None, log_fn: Callable[[str], 
         run = open_run(cfg, rt, resume)
         write_run_files(run)
         total = cfg.total_steps()
-        progress = Progress(total, run.step, cfg.train.log_every, rt.is_main, log_fn)
+        progress = TrainProgress(total, run.step, cfg.train.log_every, rt.is_main, log_fn)
         progress.write(_describe(run, total))
         run.summary.update(stopped_early=False, out=str(run.out), val_loss=None)
         metrics = MetricsLog(run.out, cfg, run.step if resume else None, rt.is_main)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import csv
 import io
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from kvmeans.train.config import RunConfig
 from kvmeans.utils.io import atomic_write_file
+from kvmeans.utils.progress import progress_bar
 
-__all__ = ["MetricsLog", "Progress", "COLUMNS"]
+__all__ = ["MetricsLog", "TrainProgress", "COLUMNS"]
 
 COLUMNS = ("step", "loss", "lr", "tokens_per_s", "val_loss", "elapsed_s")
 
@@ -100,19 +100,15 @@ def _fmt_time(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-class Progress:
-    """A tqdm bar on a terminal (if tqdm is installed), else a plain line every ``every`` steps."""
+class TrainProgress:
+    """A tqdm bar on a terminal (if tqdm is installed: :func:`kvmeans.utils.progress.progress_bar`), else a plain
+    line every ``every`` steps."""
 
     def __init__(self, total: int, start: int, every: int, enabled: bool = True,
                  log_fn: Callable[[str], None] = print):
         self.total, self.start, self.every, self.enabled, self.log_fn = total, start, every, enabled, log_fn
-        self.t_start, self.bar = time.perf_counter(), None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
+        self.t_start = time.perf_counter()
+        self.bar = progress_bar(total, enabled, terminal=True, initial=start, unit="step")
 
     def update(self, step: int, loss: float, lr: float, tokens_per_s: float, val_loss: Optional[float]) -> None:
         if not self.enabled:

@@ -70,6 +70,19 @@ def test_end_to_end_three_arms(tiny_dir, tmp_path, capsys):
     assert (out / "longctx.png").stat().st_size > 1000
 
 
+def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path):
+    """--generate: model.generate with nothing set; a KVM prompt past the segment keeps the bounded cache."""
+    out = tmp_path / "gen"
+    assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--lengths", "96", "--generate",
+                "--arms", "full", KVM, *FAST]) == 0
+    _, doc = read(out)
+    runs = {r["arm"]: r for r in doc["runs"]}
+    assert {r["via"] for r in runs.values()} == {"generate"} and all(r["status"] == "ok" for r in runs.values())
+    assert runs[KVM]["cache_bytes"] < runs["full"]["cache_bytes"] and runs[KVM]["cache_bytes_by_kind"]["kv"] == 0
+    assert len(runs["full"]["decode_step_s"]) == 3 and runs["full"]["ttft_s"] > 0
+    assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--generate", "--batch", "2"]) == 2
+
+
 def test_a_run_past_the_timeout_is_a_status_and_longer_lengths_are_skipped(tiny_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--lengths", "64", "128",

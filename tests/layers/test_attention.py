@@ -180,7 +180,7 @@ def test_gradients_reach_every_parameter():
 
 # ---- RoPE -------------------------------------------------------------------------------------------
 def slow_rope(x, positions, rope_dim, theta):
-    """The formula of reference-semantics 4.5, pair by pair in float64."""
+    """The formula of docs/reference-conventions.md §4.5, pair by pair in float64."""
     out = x.double().clone()
     half = rope_dim // 2
     for j in range(half):

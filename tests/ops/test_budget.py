@@ -1,4 +1,4 @@
-"""Budgets and the positional schedule (reference-semantics 1.4 table)."""
+"""Budgets and the positional schedule (docs/reference-conventions.md §1.4, the table)."""
 import pytest
 
 from kvmeans import StateBudget
@@ -95,6 +95,7 @@ def test_budget_fields_are_typed(make, exc, match):
 
 def test_budgets_past_float_range():
     assert StateBudget.power_law(1, 80.0)(10**6) > 10**9          # overflows a float: "as many as can exist"
-    assert rows_after(StateBudget.power_law(1, 80.0), 64, 4, 2) == rows_after(lambda t: 10**400, 64, 4, 2) == 56   # every covered token
+    # every covered token
+    assert rows_after(StateBudget.power_law(1, 80.0), 64, 4, 2) == rows_after(lambda t: 10**400, 64, 4, 2) == 56
     with pytest.raises(TypeError, match="returned inf; a budget must return a finite int"):
         plan_updates(lambda t: float("inf"), 4, 4, 40, 4, 2)

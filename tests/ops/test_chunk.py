@@ -5,6 +5,8 @@ import torch
 import kvmeans.ops.chunk as chunk_mod
 from kvmeans import StateBudget, kvm_attention
 from kvmeans.bench.arms import saved_bytes
+from kvmeans.ops.chunk import flash as flash_mod
+from kvmeans.ops.chunk import plan as plan_mod
 from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs
 
 NAMES = ["q", "k", "v", "gate", "state_norm_weight", "state_norm_bias", "state_temp", "bswa_temp"]
@@ -88,8 +90,8 @@ def test_many_groups_match_naive(case, backward, monkeypatch):
     monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)                # one chunk per group
     sizes = []
-    real = chunk_mod._groups
-    monkeypatch.setattr(chunk_mod, "_groups", lambda *a: sizes.append(len(real(*a))) or real(*a))
+    real = plan_mod.groups
+    monkeypatch.setattr(plan_mod, "groups", lambda *a: sizes.append(len(real(*a))) or real(*a))
     compare(ref, outputs_and_grads("chunked", case), 1e-10)
     with torch.no_grad():                                            # the in-place prefill, same groups
         inputs = make_inputs(H=case[5], Hkv=case[6], T=case[0], D=8, Dv=6, dtype=torch.float64, seed=0)
@@ -100,7 +102,7 @@ def test_many_groups_match_naive(case, backward, monkeypatch):
 
 def test_auto_backward_switches_to_reconstruction_for_large_graphs(monkeypatch):
     """"auto" keeps a graph for small calls and reconstructs past RECONSTRUCT_BYTES (same results)."""
-    import kvmeans.ops.chunk_reconstruct as rec
+    import kvmeans.ops.chunk.reconstruct as rec
     calls = []
     real = rec._Reconstruct.apply
     monkeypatch.setattr(rec._Reconstruct, "apply", lambda *a: calls.append(1) or real(*a))
@@ -235,8 +237,8 @@ def test_no_grad_prefill_joins_dense_calls(case, split, monkeypatch):
     outputs and final state equal naive's, fresh or continuing a state that ends mid-chunk."""
     T, C, n, S, budget, H, Hkv, r = case
     joined = []
-    real = chunk_mod._joined_attention
-    monkeypatch.setattr(chunk_mod, "_joined_attention", lambda y, q, *a, **k: joined.append(q.shape[2]) or
+    real = flash_mod.joined_attention
+    monkeypatch.setattr(flash_mod, "joined_attention", lambda y, q, *a, **k: joined.append(q.shape[2]) or
                         real(y, q, *a, **k))
     inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=torch.float64, seed=3)
     ref, ref_state = run("naive", inputs, T, C, n, S, budget, r)
@@ -257,8 +259,8 @@ def test_no_grad_prefill_joins_dense_calls(case, split, monkeypatch):
 
 def test_no_grad_prefill_without_the_flash_kernel_masks_one_call(monkeypatch):
     """Where the CPU flash kernel is missing (older torch, other devices) every group takes the masked call."""
-    monkeypatch.setattr(chunk_mod, "_FLASH_CPU", None)
-    monkeypatch.setattr(chunk_mod, "_joined_attention", None)
+    monkeypatch.setattr(flash_mod, "_FLASH_CPU", None)
+    monkeypatch.setattr(flash_mod, "joined_attention", None)
     T, C, n, S, budget, H, Hkv, r = JOINED[0]
     inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=torch.float64, seed=3)
     with torch.no_grad():
@@ -273,8 +275,8 @@ def test_joined_no_grad_prefill_in_half_precision(dtype, numerics, monkeypatch):
     with the masked call of the grad path within the dtype's tolerance."""
     T, C, n, S, budget, H, Hkv, r = JOINED[0]
     joined = []
-    real = chunk_mod._joined_attention
-    monkeypatch.setattr(chunk_mod, "_joined_attention", lambda *a, **k: joined.append(1) or real(*a, **k))
+    real = flash_mod.joined_attention
+    monkeypatch.setattr(flash_mod, "joined_attention", lambda *a, **k: joined.append(1) or real(*a, **k))
     inputs = make_inputs(H=H, Hkv=Hkv, T=T, D=8, dtype=dtype, seed=3, requires_grad=True)
     ref, _ = run("chunked", inputs, T, C, n, S, budget, r, numerics=numerics)      # grad path: one masked call
     assert not joined

@@ -30,8 +30,8 @@ def hand_built(*block):
 
 
 def grow(q, k, v, threshold, cap, backend="naive", **kw):
-    return kvm_attention(q, k, v, chunk_len=C, n_bswa_chunks=N_BSWA, sink_len=1, budget=StateBudget.novelty(threshold, cap),
-                         return_state=True, backend=backend, **kw)
+    return kvm_attention(q, k, v, chunk_len=C, n_bswa_chunks=N_BSWA, sink_len=1,
+                         budget=StateBudget.novelty(threshold, cap), return_state=True, backend=backend, **kw)
 
 
 # token 4: half h1 plus w (novelty 1 - 1/3), token 5: w (novelty 1), tokens 6, 7: copies of rows 2 and 3 (novelty 0)

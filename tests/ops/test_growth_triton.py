@@ -126,7 +126,8 @@ def test_ragged_decode_matches_naive_per_row(backend, monkeypatch):
     from kvmeans.ops.state import KVMState
     case, lengths, steps = CASES[2], [3, 8, 16, 23], 12
     inputs = inputs_for(case, B=len(lengths))
-    row = lambda b, lo, hi: {k: (x[b:b + 1, :, lo:hi] if k in ("q", "k", "v", "gate") else x) for k, x in inputs.items()}
+    row = lambda b, lo, hi: {k: (x[b:b + 1, :, lo:hi] if k in ("q", "k", "v", "gate") else x)
+                             for k, x in inputs.items()}
     with torch.no_grad():
         solos = [call(row(b, 0, L), 0, L, case, backend="chunked")[1] for b, L in enumerate(lengths)]
         ragged = KVMState.stack(solos)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvmeans import StateBudget, kvm_attention
-from kvmeans.ops import kvm as kvm_mod
+from kvmeans.ops import backends, checks
 
 torch.manual_seed(0)
 q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
@@ -39,9 +39,9 @@ def test_a_bad_value_after_a_good_one_is_still_refused(bad, exc, match):
 
 def test_the_scalar_checks_run_once_per_setting(monkeypatch):
     calls = []
-    real = kvm_mod._check_config
-    monkeypatch.setattr(kvm_mod, "_check_config", lambda *a: calls.append(a) or real(*a))
-    kvm_mod._checked_scalars.cache_clear()
+    real = checks._check_config
+    monkeypatch.setattr(checks, "_check_config", lambda *a: calls.append(a) or real(*a))
+    checks._checked_scalars.cache_clear()
     kw = {**GOOD, "chunk_len": 5, "budget": 5}
     _, state = kvm_attention(q, k, v, return_state=True, **kw)
     with torch.no_grad():
@@ -55,15 +55,15 @@ def test_the_scalar_checks_run_once_per_setting(monkeypatch):
 
 def test_default_temperatures_are_one_tensor_usable_under_autograd():
     seen = []
-    real = kvm_mod.naive_kvm_attention
-    kvm_mod.naive_kvm_attention = lambda *a, **kw: seen.append(kw["state_temp"]) or real(*a, **kw)
+    real = backends.naive_kvm_attention
+    backends.naive_kvm_attention = lambda *a, **kw: seen.append(kw["state_temp"]) or real(*a, **kw)
     try:
         with torch.inference_mode():                # the first call made the shared ones here
             kvm_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], chunk_len=4, budget=4, backend="naive")
         qg = q.clone().requires_grad_()
         kvm_attention(qg, k, v, chunk_len=4, budget=4, backend="naive").sum().backward()
     finally:
-        kvm_mod.naive_kvm_attention = real
+        backends.naive_kvm_attention = real
     assert seen[0] is seen[1] and torch.equal(seen[0], torch.ones(4)) and not seen[0].is_inference()
     assert torch.isfinite(qg.grad).all()
 

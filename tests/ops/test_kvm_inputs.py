@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvmeans import kvm_attention  # noqa: E402
-from kvmeans.ops import kvm as kvm_mod  # noqa: E402
+from kvmeans.ops import backends  # noqa: E402
 from kvmeans.ops.triton import available  # noqa: E402
 from kvmeans.utils.testing import TOLERANCES, assert_close, make_inputs  # noqa: E402
 
@@ -26,20 +26,20 @@ CUDA = torch.device("cuda", 0)
 @pytest.fixture
 def selfcheck(monkeypatch):
     """The self-check module with an empty cache, run on this machine's device (the interpreter on CPU) when
-    ``_kernels`` asks about a CUDA device; ``calls`` counts the runs."""
+    ``backends.kernels`` asks about a CUDA device; ``calls`` counts the runs."""
     import kvmeans.ops.triton as tri
     from kvmeans.ops.triton import selfcheck as sc
     monkeypatch.setattr(sc, "_verdicts", {})
     monkeypatch.setattr(tri, "unavailable_reason", lambda device, dtype=None: None)
     real, calls = sc.run_selfcheck, []
-    monkeypatch.setattr(sc, "run_selfcheck", lambda device, dtype, numerics: calls.append((device, dtype, numerics))
-                        or real(DEV, dtype, numerics))
+    monkeypatch.setattr(sc, "run_selfcheck", lambda device, dtype, numerics, op: calls.append((device, dtype, numerics))
+                        or real(DEV, dtype, numerics, op))
     sc.calls = calls
     return sc
 
 
 def _auto(dtype=torch.float32, numerics="exact"):
-    return kvm_mod._kernels("auto", CUDA, dtype, torch.float32, numerics)[0]
+    return backends.kernels("auto", CUDA, dtype, torch.float32, numerics, kvm_attention)[0]
 
 
 @needs_triton
@@ -66,7 +66,8 @@ def test_selfcheck_compile_error_falls_back_and_warns_once(selfcheck, monkeypatc
         warnings.simplefilter("error")                                   # no second warning, no second run
         assert _auto() == "torch"
     assert len(selfcheck.calls) == 1
-    assert kvm_mod._kernels("triton", DEV, torch.float32, torch.float32, "exact")[0] == "triton"   # still forced
+    # still forced
+    assert backends.kernels("triton", DEV, torch.float32, torch.float32, "exact", kvm_attention)[0] == "triton"
 
 
 @needs_triton
@@ -134,12 +135,14 @@ def test_buffers_follow_the_tokens_not_the_settings(settings, mode, monkeypatch)
 # ---- a non-finite token never reaches earlier outputs --------------------------------------------------------
 PATHS = [("naive", {}), ("chunked", {}), ("chunked", dict(grad="graph")), ("chunked", dict(grad="reconstruct")),
          ("recurrent", {}),
-         pytest.param("triton", {}, marks=needs_triton), pytest.param("triton", dict(grad="reconstruct"), marks=needs_triton),
+         pytest.param("triton", {}, marks=needs_triton),
+         pytest.param("triton", dict(grad="reconstruct"), marks=needs_triton),
          pytest.param("triton", dict(split=9), marks=needs_triton)]
 
 
 @pytest.mark.parametrize("where", ["k", "v", "gate"])
-@pytest.mark.parametrize("backend,how", PATHS, ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
+@pytest.mark.parametrize("backend,how", PATHS,
+                         ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x.values())))
 def test_nan_token_does_not_reach_earlier_outputs(backend, how, where, monkeypatch):
     """A NaN at position 13 (C=4, n=2: it is in the window of queries 13-15, then in the state): outputs before it
     equal those of clean inputs, outputs that see it are NaN. ``split``: a prefill, then multi-token steps."""
@@ -165,7 +168,8 @@ def test_nan_token_does_not_reach_earlier_outputs(backend, how, where, monkeypat
     clean, y = run(*tokens), run(*bad)
     first_bad = 13 if where in ("k", "v") else 16       # a gate acts once its token is merged (at position 16)
     assert torch.isfinite(y[:, :, :first_bad]).all()
-    assert_close("outputs before the NaN token", clean[:, :, :first_bad], y[:, :, :first_bad], TOLERANCES[torch.float32])
+    assert_close("outputs before the NaN token", clean[:, :, :first_bad], y[:, :, :first_bad],
+                 TOLERANCES[torch.float32])
     assert torch.isfinite(y[0]).all()                   # the other sequence of the batch
     if where != "gate":
         assert torch.isnan(y[1, :, first_bad:]).any(-1).all()

@@ -6,6 +6,7 @@ import torch
 
 import kvmeans.ops.chunk as chunk_mod
 from kvmeans import StateBudget, kvm_attention
+from kvmeans.ops.chunk import flash as flash_mod
 from kvmeans.utils.testing import assert_close, make_inputs
 
 
@@ -19,12 +20,12 @@ def test_reconstruction_backward_runs_no_second_forward(budget, monkeypatch):
     leaves = args + list(x.values())
     dy = torch.randn(2, 4, 37, 8, dtype=torch.float64)
     ref = torch.autograd.grad((kvm_attention(*args, **x, **cfg, backend="naive") * dy).sum(), leaves)
-    joins, join = [], chunk_mod._join
-    monkeypatch.setattr(chunk_mod, "_join", lambda *a, **k: joins.append(1) or join(*a, **k))
+    joins, join = [], flash_mod.join
+    monkeypatch.setattr(flash_mod, "join", lambda *a, **k: joins.append(1) or join(*a, **k))
     y = kvm_attention(*args, **x, **cfg, backend="chunked")
     assert joins, "whole chunks with whole windows take the joined read (three flash calls, no window copy)"
-    forwards, flash, sdpa = [], chunk_mod._FLASH_CPU, torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(chunk_mod, "_FLASH_CPU", lambda *a, **k: forwards.append(1) or flash(*a, **k))
+    forwards, flash, sdpa = [], flash_mod._FLASH_CPU, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(flash_mod, "_FLASH_CPU", lambda *a, **k: forwards.append(1) or flash(*a, **k))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **k: forwards.append(1) or sdpa(*a, **k))
     grads = torch.autograd.grad((y * dy).sum(), leaves)
@@ -36,7 +37,7 @@ def test_reconstruction_backward_runs_no_second_forward(budget, monkeypatch):
 def test_auto_reconstructs_sooner_where_the_read_is_joined(monkeypatch):
     """"auto" reconstructs past RECONSTRUCT_BYTES_JOINED where the CPU flash read applies (D == Dv), and keeps the
     graph up to RECONSTRUCT_BYTES where it does not (Dv != D)."""
-    import kvmeans.ops.chunk_reconstruct as rec
+    import kvmeans.ops.chunk.reconstruct as rec
     calls, real = [], rec._Reconstruct.apply
     monkeypatch.setattr(rec._Reconstruct, "apply", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(chunk_mod, "RECONSTRUCT_BYTES_JOINED", 0)

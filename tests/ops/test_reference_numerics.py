@@ -1,5 +1,6 @@
-"""numerics="reference": the rounding points of the authors' eager mixer (reference-semantics 1.7, 1.8,
-1.11, 10), its plumbing through configs / loaders / Auto classes, and its invariants against "exact"."""
+"""numerics="reference": the rounding points of the authors' eager mixer (docs/reference-conventions.md
+§1.7, §1.8, §1.11, §10), its plumbing through configs / loaders / Auto classes, and its invariants against
+"exact"."""
 import json
 import math
 
@@ -31,8 +32,8 @@ GEOM = dict(chunk_len=4, n_bswa_chunks=1, sink_len=1, rope_dim=2, budget=StateBu
 
 # ---- (i) an independent emulation of one overflow update and one readout ---------------------------
 def _emulate_bf16(q, k, v, gate, p):
-    """Written from reference-semantics 1.2, 1.3, 1.7, 1.8, 10 for bf16 tensors: every op is computed
-    in fp32 (or fp64) and rounded once to bf16 where the authors' code produces a bf16 tensor."""
+    """Written from docs/reference-conventions.md §1.2, §1.3, §1.7, §1.8, §10 for bf16 tensors: every op is
+    computed in fp32 (or fp64) and rounded once to bf16 where the authors' code produces a bf16 tensor."""
     rnd = lambda x: x.to(BF16)  # noqa: E731
     w, b = p["state_norm_weight"], p["state_norm_bias"]
 
@@ -288,9 +289,11 @@ def test_bad_numerics_values_raise():
     with pytest.raises(ValueError, match=r"numerics must be one of \('exact', 'mixed', 'reference'\).*got 'fast'"):
         kvm_attention(q, k, v, gate, **GEOM, numerics="fast")
     from kvmeans.layers import KVMAttentionConfig
-    with pytest.raises(ValueError, match=r"KVMAttentionConfig.numerics: must be one of \('exact', 'mixed', 'reference'\), got 'bf16'"):
+    with pytest.raises(ValueError, match=r"KVMAttentionConfig.numerics: must be one of "
+                                         r"\('exact', 'mixed', 'reference'\), got 'bf16'"):
         KVMAttentionConfig(hidden_size=16, num_heads=2, numerics="bf16")
-    with pytest.raises(ValueError, match=r"KVMModelConfig.kvm_numerics: must be one of \('exact', 'mixed', 'reference'\)"):
+    with pytest.raises(ValueError,
+                       match=r"KVMModelConfig.kvm_numerics: must be one of \('exact', 'mixed', 'reference'\)"):
         KVMModelConfig(kvm_numerics="Reference")
 
 

@@ -47,7 +47,8 @@ def test_zero_initial_state_is_none():
 def test_chunk_gradients_equal_naive(T, chunk_size):
     x = op_inputs(T=T, requires_grad=True, seed=T)
     g = torch.Generator().manual_seed(1)
-    do, ds = torch.randn(2, T, 3, 6, generator=g, dtype=torch.float64), torch.randn(2, 3, 8, 6, generator=g, dtype=torch.float64)
+    do = torch.randn(2, T, 3, 6, generator=g, dtype=torch.float64)
+    ds = torch.randn(2, 3, 8, 6, generator=g, dtype=torch.float64)
     grads = {}
     for name, fn in (("naive", lambda: rwkv7_naive(**x)),
                      ("chunk", lambda: rwkv7_attention(**x, chunk_size=chunk_size, backend="chunk"))):
@@ -253,7 +254,8 @@ def test_value_residual_switch():
 
 
 def test_presets_have_the_paper_sizes():
-    for name, (d, layers, heads, scale) in {"rwkv7-120m": (768, 12, 12, 1.0), "rwkv7-350m": (1024, 24, 16, 0.5)}.items():
+    sizes = {"rwkv7-120m": (768, 12, 12, 1.0), "rwkv7-350m": (1024, 24, 16, 0.5)}
+    for name, (d, layers, heads, scale) in sizes.items():
         cfg = preset(name)
         assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.residual_scale) == (d, layers, heads, scale)
         assert cfg.mixer_per_layer() == ["rwkv7"] * layers and cfg.qk_head_dim == 64
@@ -262,7 +264,8 @@ def test_presets_have_the_paper_sizes():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(mixer_types=["rwkv7", "kvm", "rwkv7"]), r"KVMModelConfig.mixer_types: rwkv7 layers cannot be mixed with \['kvm'\]"),
+    (dict(mixer_types=["rwkv7", "kvm", "rwkv7"]),
+     r"KVMModelConfig.mixer_types: rwkv7 layers cannot be mixed with \['kvm'\]"),
     (dict(alt_mixer="swa", alt_every=2), r"KVMModelConfig.alt_mixer: rwkv7 layers cannot be mixed with \['swa'\]"),
     (dict(head_dim=16), "KVMModelConfig.head_dim: RWKV-7 heads split hidden_size=32"),
     (dict(num_kv_heads=2), "KVMModelConfig.num_kv_heads: RWKV-7 has no grouped heads"),

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import kvmeans.ops.chunk as chunk_mod  # noqa: E402
 from kvmeans import StateBudget, kvm_attention  # noqa: E402
+from kvmeans.ops.chunk import plan as plan_mod  # noqa: E402
 from kvmeans.ops.triton import attention as tri_attn  # noqa: E402
 from kvmeans.ops.triton import available, unavailable_reason  # noqa: E402
 from kvmeans.ops.triton.attention import chunk_attention  # noqa: E402
@@ -188,9 +189,9 @@ def test_many_groups_both_backwards(backward, monkeypatch):
     monkeypatch.setattr(chunk_mod, "BACKWARD", backward)
     monkeypatch.setattr(chunk_mod, "GROUP_BYTES", 1)
     launches, groups = [], []
-    real_fwd, real_groups = tri_attn._fwd, chunk_mod._groups
+    real_fwd, real_groups = tri_attn._fwd, plan_mod.groups
     monkeypatch.setattr(tri_attn, "_fwd", lambda *a: launches.append(1) or real_fwd(*a))
-    monkeypatch.setattr(chunk_mod, "_groups", lambda *a: groups.append(len(real_groups(*a))) or real_groups(*a))
+    monkeypatch.setattr(plan_mod, "groups", lambda *a: groups.append(len(real_groups(*a))) or real_groups(*a))
     compare(ref, outputs_and_grads("triton", case))
     assert len(launches) == groups[0] >= 3              # one forward launch per group; backward re-runs none
     compare((ref[0], ref[1], {}), outputs_and_grads("triton", case, grad=False))
@@ -205,7 +206,8 @@ def test_mixed_numerics_runs_half_precision_dots(grad, monkeypatch):
     T, H, Hkv = case[0], case[5], case[6]
     seen = []
     real_fwd = tri_attn._fwd
-    monkeypatch.setattr(tri_attn, "_fwd", lambda q, sk, sv, *a: seen.append((q.dtype, getattr(sk, "dtype", q.dtype))) or real_fwd(q, sk, sv, *a))
+    monkeypatch.setattr(tri_attn, "_fwd", lambda q, sk, sv, *a: seen.append((q.dtype, getattr(sk, "dtype", q.dtype)))
+                        or real_fwd(q, sk, sv, *a))
     res = []
     for backend in ("chunked", "triton"):
         x = inputs_for(T, H, Hkv, dtype=torch.float16, requires_grad=grad)
@@ -282,7 +284,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
     """Token-by-token decode with backend="triton": outputs equal naive (fp32 tolerance) and the final state
     rows equal the torch recurrent path's bit for bit (same routes, same fp32 sums); the torch routing is
     never called, the update kernels are (once per boundary)."""
-    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.state as state_mod
     import kvmeans.ops.triton.update as upd_mod
     T, C = case[0], case[1]
     inputs = inputs_for(T, case[5], case[6])
@@ -301,7 +303,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
         raise AssertionError("torch route_overflow called on the triton decode path")
     monkeypatch.setattr(upd_mod, "route_overflow_triton", counted("route", upd_mod.route_overflow_triton))
     monkeypatch.setattr(upd_mod, "scatter_add_rows", counted("scatter", upd_mod.scatter_add_rows))
-    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    monkeypatch.setattr(state_mod, "route_overflow", torch_routing)
     y_tri, s_tri = decode_token_by_token("triton", inputs, case)
 
     updates = (s_ref.coverage - C) // C
@@ -321,7 +323,7 @@ def test_triton_decode_updates_route_and_sum_like_the_torch_path(case, monkeypat
 def test_chunked_triton_routes_with_the_update_kernels(grad, monkeypatch):
     """Prefill / training with backend="triton": the routing pass (grad) and the in-place prefill (no grad)
     run the Triton routing / scatter kernels, never the torch routing; results equal naive."""
-    import kvmeans.ops.recurrent as rec_mod
+    import kvmeans.ops.state as state_mod
     import kvmeans.ops.triton.update as upd_mod
     case = DECODE_CASES[1]
     ref = outputs_and_grads("naive", case, grad=grad)
@@ -331,7 +333,7 @@ def test_chunked_triton_routes_with_the_update_kernels(grad, monkeypatch):
 
     def torch_routing(*a, **k):
         raise AssertionError("torch route_overflow called on the triton chunked path")
-    monkeypatch.setattr(rec_mod, "route_overflow", torch_routing)
+    monkeypatch.setattr(state_mod, "route_overflow", torch_routing)
     out = outputs_and_grads("triton", case, grad=grad)
     assert len(calls) == (ref[1].coverage - case[1]) // case[1] >= 4
     compare(ref, out)
@@ -428,6 +430,19 @@ def test_sweep_every_split_then_decode(case):
             compare((y_ref, s_ref, {}), (torch.cat(ys, 2), state, {}))
 
 
+def test_fixed_tiles_are_autotune_candidates(monkeypatch):
+    """KVMEANS_TRITON_AUTOTUNE=0 launches FIXED_META: it must be a tile the autotuner itself would try."""
+    from kvmeans.ops.triton import decode, update
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "0")
+    assert not tri_attn.autotuned()
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "1")
+    assert tri_attn.autotuned()
+    for fixed, configs in ((tri_attn.FIXED_META, tri_attn._FWD_CONFIGS), (tri_attn.FIXED_META, tri_attn._BWD_CONFIGS),
+                           (decode.FIXED_META, decode._CONFIGS), (update.FIXED_META, update._CONFIGS)):
+        tried = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
+        assert any(all(t.get(k) == v for k, v in fixed.items()) for t in tried), (fixed, tried)
+
+
 # ---- compiled kernels on a GPU ---------------------------------------------------------------
 GPU_CASES = [
     (1000, 64, 2, 1, StateBudget.fixed(128), 8, 2, 32),
@@ -522,7 +537,7 @@ def test_scatter_add_rows_accumulates_in_float32():
 
 
 def test_route_agreement_measures_flips():
-    from kvmeans.ops.triton.update import route_agreement
+    from kvmeans.ops.chunk.route import route_agreement
     x = make_inputs(T=70, D=16, dtype=torch.float32)
     cfg = dict(chunk_len=8, n_bswa_chunks=2, sink_len=1, rope_dim=4, budget=StateBudget.fixed(12))
     same = route_agreement(x["k"], x["v"], x["gate"], x["k"], x["v"], x["gate"], **cfg)

@@ -23,8 +23,9 @@ TOL = TOLERANCES[torch.float32]
 def masked_attention(q, sk, sv, rows, wk, wv, st, bt, qpos, C, n, scale):
     """Softmax of each query over ``[its snapshot's first rows[b, kv head, g] rows ; its causal window]``.
 
-    ``q [B, H, TQ, D]`` at positions ``qpos [TQ]`` (chunk ``g = qpos // C - qpos[0] // C``), ``sk / sv [B, G, Hkv, M, .]``,
-    ``rows [B, Hkv, G]``, ``wk / wv [B, Hkv, N, .]`` from position 0; returns ``[B, H, TQ, Dv]``."""
+    ``q [B, H, TQ, D]`` at positions ``qpos [TQ]`` (chunk ``g = qpos // C - qpos[0] // C``),
+    ``sk / sv [B, G, Hkv, M, .]``, ``rows [B, Hkv, G]``, ``wk / wv [B, Hkv, N, .]`` from position 0; returns
+    ``[B, H, TQ, Dv]``."""
     B, H, TQ, _ = q.shape
     rep = H // wk.shape[1]
     heads = lambda x, dim: x.repeat_interleave(rep, dim)

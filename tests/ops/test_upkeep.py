@@ -38,7 +38,8 @@ def test_first_max_is_max_with_its_tie_rule():
     for x in (torch.randint(0, 3, (4, 7, 700), generator=g).float(), torch.randn(3, 5, 1000, generator=g),
               torch.randn(2, 3, 100, generator=g)):
         M = x.shape[-1]
-        x[0, 0, 511 % M], x[1, 2, 5], x[1, 2, 600 % M], x[-1, -1, -1] = float("nan"), float("nan"), float("nan"), float("inf")
+        nan, inf = float("nan"), float("inf")
+        x[0, 0, 511 % M], x[1, 2, 5], x[1, 2, 600 % M], x[-1, -1, -1] = nan, nan, nan, inf
         best, idx = first_max(x[..., 1:])                              # a column slice, as routing passes it
         want = x[..., 1:].max(-1)
         assert torch.equal(best.nan_to_num(), want.values.nan_to_num()) and torch.equal(idx, want.indices)

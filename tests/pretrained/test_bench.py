@@ -101,6 +101,11 @@ def _greedy_reference(model, ids, n, mask_fn=None):
     return out
 
 
+def _square_mask(sinks, window):
+    """``length -> `` StreamingLLM's mask over a whole window of that many tokens."""
+    return lambda length: pp.streaming_mask(torch.arange(length), torch.arange(length), sinks, window)
+
+
 def test_full_arm_answers_like_greedy_and_holds_every_key(model):
     ctx, q = list(range(3, 123)), [40, 41, 42]
     r = bp.answer(bp.Arm("full", model), ctx, q, 6, stop=set())
@@ -113,7 +118,7 @@ def test_streaming_arm_equals_a_masked_stream_and_evicts(model):
     sinks + window - 1 keys after the context."""
     ctx, q = [(7 * i) % 250 for i in range(150)], [40, 41, 42]
     r = bp.answer(bp.streaming_arm(model, 36, sinks=4), ctx, q, 6, stop=set())
-    ref = _greedy_reference(model, ctx + q, 6, lambda t: pp.streaming_mask(t, 4, 32))
+    ref = _greedy_reference(model, ctx + q, 6, _square_mask(4, 32))
     assert r["ids"] == ref
     assert r["ids"] != _greedy_reference(model, ctx + q, 6)        # compression changed something here
     assert r["cache_bytes"] == 35 * PER_KEY
@@ -176,7 +181,7 @@ def test_position_buckets_and_ppl_row(model):
     nll = torch.cat([pp.token_nll(model, x[None]) for x in w])
     assert full["ppl_256_300"] == pytest.approx(math.exp(nll[:, 255:].double().mean().item()), rel=1e-5)
     st = bp.ppl_row(bp.streaming_arm(model, 64, 4), w)
-    assert st["score"] == pytest.approx(pp.perplexity(model, w, pp.streaming_mask(300, 4, 60)), rel=1e-5)
+    assert st["score"] == pytest.approx(pp.perplexity(model, w, _square_mask(4, 60)(300)), rel=1e-5)
     assert st["cache_bytes"] == 63 * PER_KEY and st["kept_keys"] == 64
     assert st["ppl_1_256"] != pytest.approx(full["ppl_1_256"], rel=1e-6)
 

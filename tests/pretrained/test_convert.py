@@ -150,7 +150,8 @@ def test_saved_read_distance_survives_a_new_default(tmp_path, monkeypatch):
     model = convert_hf(tiny("llama"), **SMALL)
     assert model.config.kvm_conversion["rope_distance"] == KVMSpec(**SMALL).distance
     model.save_pretrained(tmp_path)
-    monkeypatch.setattr(KVMSpec, "distance", property(lambda self: 5 if self.rope_distance is None else self.rope_distance))
+    monkeypatch.setattr(KVMSpec, "distance",
+                        property(lambda self: 5 if self.rope_distance is None else self.rope_distance))
     loaded = load_converted(tmp_path)
     x = ids(90)
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
@@ -188,11 +189,13 @@ def test_parse_kvm_spec():
         budget=StateBudget.power_law(16, 0.5, min_len=256), layers=[0, 1, 2, 5], rope_mode="split",
         log_count_bias=False)
     assert parse_kvm_spec("budget=96")["budget"] == 96
-    assert KVMSpec().distance == 384 and KVMSpec(rope_distance=7).distance == 7 and KVMSpec(rope_mode="split").distance == 0
+    assert KVMSpec().distance == 384 and KVMSpec(rope_distance=7).distance == 7
+    assert KVMSpec(rope_mode="split").distance == 0
     assert KVMSpec(**{k: v for k, v in parse_kvm_spec("budget=saturating:64:8").items()}).budget == \
         StateBudget.saturating(64, 8)
     for bad, msg in [("budget=huge", "budget 'huge'"), ("chunk=4", "chunk=4"), ("sink_len=x", "sink_len"),
-                     ("rope_mode=nope", "rope_mode"), ("layers=a", "layers 'a'"), ("chunk_len=8,sink_len=8", "sink_len")]:
+                     ("rope_mode=nope", "rope_mode"), ("layers=a", "layers 'a'"),
+                     ("chunk_len=8,sink_len=8", "sink_len")]:
         with pytest.raises(ValueError, match=msg):
             parse_kvm_spec(bad)
 

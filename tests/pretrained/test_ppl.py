@@ -50,7 +50,8 @@ def test_windows_are_deterministic_distinct_and_from_one_document(texts):
 
 def test_windows_have_no_bos(tmp_path):
     (tmp_path / "a.txt").write_text("x" * 10 + "y" * 10)
-    assert bytes(pp.text_windows(ByteTokenizer(), [tmp_path / "a.txt"], n=1, length=20)[0].tolist()) == b"x" * 10 + b"y" * 10
+    w = pp.text_windows(ByteTokenizer(), [tmp_path / "a.txt"], n=1, length=20)
+    assert bytes(w[0].tolist()) == b"x" * 10 + b"y" * 10
 
 
 def test_shakespeare_windows():
@@ -69,31 +70,41 @@ def test_perplexity_is_exp_mean_token_nll(model):
     assert pp.perplexity(model, ids) == pytest.approx(math.exp(nll.mean().item()), rel=1e-5)
 
 
+def square_mask(length, sinks, window):
+    """StreamingLLM's mask over a whole window of ``length`` tokens (queries and keys at positions 0..length-1)."""
+    pos = torch.arange(length)
+    return pp.streaming_mask(pos, pos, sinks, window)
+
+
 def test_streaming_mask_keeps_sinks_and_window():
-    m = pp.streaming_mask(8, sinks=2, window=3)[0, 0] == 0
+    m = square_mask(8, sinks=2, window=3)[0, 0] == 0
     assert m[7].tolist() == [True, True, False, False, False, True, True, True]
     assert m[3].tolist() == [True, True, True, True, False, False, False, False]
-    assert torch.equal(pp.streaming_mask(8, 0, 8)[0, 0] == 0, torch.ones(8, 8).tril().bool())
+    assert torch.equal(square_mask(8, 0, 8)[0, 0] == 0, torch.ones(8, 8).tril().bool())
+    # the last two queries of a 8-token window over the keys a cache still holds: the same rows
+    keys = torch.tensor([0, 1, 5, 6, 7])
+    part = pp.streaming_mask(keys, torch.tensor([6, 7]), 2, 3)[0, 0] == 0
+    assert torch.equal(part, m[6:, keys])
 
 
 def test_streaming_equals_full_when_window_covers_and_differs_otherwise(model):
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     full = pp.perplexity(model, ids)
-    assert pp.perplexity(model, ids, pp.streaming_mask(48, 4, 48)) == pytest.approx(full, rel=1e-6)
-    assert pp.perplexity(model, ids, pp.streaming_mask(48, 0, 48)) == pytest.approx(full, rel=1e-6)
-    assert pp.perplexity(model, ids, pp.streaming_mask(48, 2, 8)) != pytest.approx(full, rel=1e-4)
+    assert pp.perplexity(model, ids, square_mask(48, 4, 48)) == pytest.approx(full, rel=1e-6)
+    assert pp.perplexity(model, ids, square_mask(48, 0, 48)) == pytest.approx(full, rel=1e-6)
+    assert pp.perplexity(model, ids, square_mask(48, 2, 8)) != pytest.approx(full, rel=1e-4)
     # the mask is what limits the keys: later tokens' NLL changes, the first window+sinks tokens' do not
-    short = pp.token_nll(model, ids[:1], pp.streaming_mask(48, 2, 8))
+    short = pp.token_nll(model, ids[:1], square_mask(48, 2, 8))
     torch.testing.assert_close(short[0, :9], pp.token_nll(model, ids[:1])[0, :9])
 
 
 def test_evaluate_rows(model):
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
-    arms = [pp.Arm(name, model, s, w) for name, s, w in pp.parse_arms("full,streaming:2+6")]
+    arms = [pp.Arm(name, model, sinks=s, window=w) for name, s, w in pp.parse_arms("full,streaming:2+6")]
     rows = pp.evaluate(arms, ids)
     assert [r["arm"] for r in rows] == ["full", "streaming:2+6"]
     assert rows[0]["ppl"] == pytest.approx(pp.perplexity(model, ids), rel=1e-6)
-    assert rows[1]["ppl"] == pytest.approx(pp.perplexity(model, ids, pp.streaming_mask(32, 2, 6)), rel=1e-6)
+    assert rows[1]["ppl"] == pytest.approx(pp.perplexity(model, ids, square_mask(32, 2, 6)), rel=1e-6)
     assert (rows[0]["kept_keys"], rows[1]["kept_keys"], rows[1]["cache_fraction"]) == (32, 8, 0.25)
 
 

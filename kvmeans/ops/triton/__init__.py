@@ -1,7 +1,7 @@
 """Triton kernels for KVM (GPU fast path; tested on CPU with ``TRITON_INTERPRET=1``).
 
 Importing this package does not import Triton: the kernels live in :mod:`.attention` and
-:mod:`.decode`, imported on first use, so ``kvmeans.ops.kvm`` can ask :func:`available` cheaply.
+:mod:`.decode`, imported on first use, so ``kvmeans.ops.backends`` can ask :func:`unavailable_reason` cheaply.
 See ``kvmeans/ops/triton/README.md`` for the kernels, their grids and how they are tested.
 Row counts per (sequence, kv head) (a ``StateBudget.novelty`` budget, ``backend="triton"`` only) are verified in
 the interpreter only: no GPU run yet, and ``backend="auto"`` keeps such budgets on the torch paths.

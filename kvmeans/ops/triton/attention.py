@@ -9,7 +9,7 @@ Query chunk ``c`` (positions ``[c*C, (c+1)*C)``) attends to
   (key position <= query position), scores scaled by ``bswa_temp[h] * scale``;
 
 with one online softmax (fp32 running max / sum, base-2 exponentials). This is exactly what
-``chunk._group_mask`` / ``chunk._group_sdpa`` compute, without materialising the window per chunk
+``chunk.plan.group_mask`` / ``chunk.attend.group_sdpa`` compute, without materialising the window per chunk
 (window keys are indexed by position in one ``[B, Hkv, N, D]`` tensor), without repeating keys per
 query head (GQA: the ``REP = H / Hkv`` query heads of a kv head are stacked as the rows of one tile,
 so every key/value tile is loaded once per kv head), and without scaling keys by the temperatures
@@ -31,6 +31,7 @@ in ``kvmeans.ops.chunk`` chains to it (gradients reach k, v, gate, LN_s affine t
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -49,6 +50,14 @@ _BWD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_sta
                 for m, n, w, s in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 3),
                                    (128, 64, 8, 2), (16, 32, 2, 2)]]
 INTERPRET_META = {"BLOCK_M": 16, "BLOCK_N": 16}
+FIXED_META = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def autotuned() -> bool:
+    """Compiled kernels try their candidate tiles once per shape key unless ``KVMEANS_TRITON_AUTOTUNE=0``, which
+    launches one fixed tile (the tests set it: they check values, and autotuning compiles every candidate for every
+    new shape, minutes for the test files on a GPU)."""
+    return os.environ.get("KVMEANS_TRITON_AUTOTUNE", "1") != "0"
 
 
 @triton.jit
@@ -121,7 +130,7 @@ def _dkv_step(k, v, q, do, lse, delta, scale, valid_t, PREC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_POS_ARGS)
-def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
+def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, OUT, LSE,
                 s_qb, s_qh, s_qt, s_ob, s_oh, s_ot,
                 s_kb, s_kg, s_kh, s_km, s_vb, s_vg, s_vh, s_vm, s_rb, s_rh,
                 s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
@@ -165,8 +174,8 @@ def _fwd_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, O, LSE,
                                       m_i, l_i, acc, PREC)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(O + b * s_ob + head[:, None] * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
-             out.to(O.dtype.element_ty), mask=ok[:, None] & dvmask[None, :])
+    tl.store(OUT + b * s_ob + head[:, None] * s_oh + (qpos - q_start)[:, None] * s_ot + offs_dv[None, :],
+             out.to(OUT.dtype.element_ty), mask=ok[:, None] & dvmask[None, :])
     tl.store(LSE + (b * HKV * REP + head) * TQ + qpos - q_start, m_i + tl.math.log2(l_safe), mask=ok)
 
 
@@ -178,7 +187,7 @@ def _bwd_dq_kernel(Q, SK, SV, ROWS, WK, WV, STEMP, BTEMP, DO, LSE, DELTA, DQ, TS
                    HKV, D, DV, NK, TQ, q_start, q_lo, q_hi, k_start, ca, C, NB, sm_scale,
                    REP: tl.constexpr, HAS_STATE: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq (q's layout; DO shares O's strides) and per-row ``scale * q . dq_state`` (TS), ``... window`` (TW)."""
+    """dq (q's layout; DO shares OUT's strides) and per-row ``scale * q . dq_state`` (TS), ``... window`` (TW)."""
     pid_m, g, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kvh = bh // HKV, bh % HKV
     c = ca + g
@@ -325,6 +334,8 @@ def _launch(name, grid, *args, **consts):
     """Autotuned launch on GPU; a fixed small tile under the interpreter (autotuning there only burns time)."""
     if INTERPRETED:
         _PLAIN[name][grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _PLAIN[name][grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED[name][grid](*args, **consts)
 
@@ -376,7 +387,7 @@ class ChunkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, sk, sv, wk, wv, state_temp, bswa_temp, rows, geo, saved=None):
-        # saved: (o, base-2 lse) of an earlier identical forward (the backward of kvmeans.ops.chunk_reconstruct
+        # saved: (o, base-2 lse) of an earlier identical forward (the backward of kvmeans.ops.chunk.reconstruct
         # differentiates a group again without re-running the kernel)
         o, lse = _fwd(q, sk, sv, rows, wk, wv, state_temp, bswa_temp, geo) if saved is None else \
             (saved[0].detach(), saved[1])

@@ -7,12 +7,12 @@ tokens of the window (the recurrent path writes them there first), so the causal
 window length.
 
 CUDA-graph friendly: the active state rows and the window length are read from device int32 tensors
-(``lengths = [rows, window_len]``, one pair or one per batch row or per (batch row, kv head)), not Python ints, so one compiled kernel with fixed buffer pointers
-serves every step between chunk-boundary updates (the buffers are the state's preallocated ones; rows
-``>= lengths[0]`` and window slots ``>= lengths[1]`` are never read). A state that is not active yet
-(``window_start == 0``) is ``lengths[0] = 0``: no separate kernel variant. The recurrent path passes one
-persistent ``lengths`` per state (``state._lengths``, see ``kvmeans.ops.recurrent._decode_lengths``),
-advanced in place on the device between chunk boundaries.
+(``lengths = [rows, window_len]``, one pair or one per batch row or per (batch row, kv head)), not Python ints,
+so one compiled kernel with fixed buffer pointers serves every step between chunk-boundary updates (the buffers
+are the state's preallocated ones; rows ``>= lengths[0]`` and window slots ``>= lengths[1]`` are never read).
+A state that is not active yet (``window_start == 0``) is ``lengths[0] = 0``: no separate kernel variant. The
+recurrent path passes one persistent ``lengths`` per state (``state._lengths``, see
+``kvmeans.ops.recurrent._decode_lengths``), advanced in place on the device between chunk boundaries.
 """
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, autotuned, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]
+FIXED_META = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}   # KVMEANS_TRITON_AUTOTUNE=0
 INTERPRET_META = {"BLOCK_N": 16}
 
 
 @triton.jit
-def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, s_lh, STEMP, BTEMP, O,
+def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, s_lh, STEMP, BTEMP, OUT,
                    s_qb, s_qh, s_qt, s_ob, s_oh, s_ot, s_kb, s_kh, s_km, s_vb, s_vh, s_vm,
                    s_wkb, s_wkh, s_wkt, s_wvb, s_wvh, s_wvt,
                    HKV, D, DV, T, sm_scale,
@@ -71,8 +72,8 @@ def _decode_kernel(Q, SK, SV, WK, WV, LENGTHS, s_lb, s_lh, STEMP, BTEMP, O,
         m_i, l_i, acc = _softmax_step(q, k, v, bt, ok[:, None] & kmask[None, :] & (w[None, :] <= last[:, None]),
                                       m_i, l_i, acc, PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + b * s_ob + head[:, None] * s_oh + i[:, None] * s_ot + offs_dv[None, :],
-             out.to(O.dtype.element_ty), mask=ok[:, None] & dvmask[None, :])
+    tl.store(OUT + b * s_ob + head[:, None] * s_oh + i[:, None] * s_ot + offs_dv[None, :],
+             out.to(OUT.dtype.element_ty), mask=ok[:, None] & dvmask[None, :])
 
 
 _TUNED = triton.autotune(_CONFIGS, key=["T", "REP", "BLOCK_D", "BLOCK_DV", "BLOCK_M"])(_decode_kernel)
@@ -111,6 +112,8 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
     consts = dict(REP=REP, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_M=block_m)
     if INTERPRETED:
         _decode_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _decode_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED[grid](*args, **consts)
     return out

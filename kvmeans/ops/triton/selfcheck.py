@@ -8,9 +8,11 @@ keeps the torch path; ``backend="triton"`` still forces the kernels.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+
+from kvmeans.ops.budget import StateBudget
 
 #: relative L2 error allowed against the torch path (TF32 / half dots); a broken kernel is off by O(1)
 RATIO = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 5e-2}
@@ -21,12 +23,12 @@ REPORT = ("please report it to the kvmeans maintainers with this message, `nvidi
 _verdicts: Dict[Tuple[torch.device, torch.dtype, str], Optional[str]] = {}   # None: passed; else the failure
 
 
-def triton_verified(device, dtype: torch.dtype, numerics: str) -> bool:
-    """Whether the kernels passed their self-check for ``(device, dtype, numerics)``; runs it on first ask,
-    warns once on failure."""
+def triton_verified(device, dtype: torch.dtype, numerics: str, op: Callable) -> bool:
+    """Whether the kernels passed their self-check for ``(device, dtype, numerics)``; runs it on first ask (through
+    ``op``, :func:`kvmeans.ops.kvm.kvm_attention`, passed by its caller), warns once on failure."""
     key = (torch.device(device), dtype, numerics)
     if key not in _verdicts:
-        _verdicts[key] = failure = run_selfcheck(*key)
+        _verdicts[key] = failure = run_selfcheck(*key, op)
         if failure is not None:
             warnings.warn(f"kvmeans: the Triton kernels failed their self-check on {key[0]} ({dtype}, "
                           f"numerics={numerics!r}): {failure}. backend='auto' uses the torch path instead "
@@ -34,10 +36,9 @@ def triton_verified(device, dtype: torch.dtype, numerics: str) -> bool:
     return _verdicts[key] is None
 
 
-def run_selfcheck(device: torch.device, dtype: torch.dtype, numerics: str) -> Optional[str]:
-    """None if the Triton path matches the torch path on a tiny input, else the failure in one line."""
-    from kvmeans.ops import StateBudget
-    from kvmeans.ops.kvm import kvm_attention
+def run_selfcheck(device: torch.device, dtype: torch.dtype, numerics: str, op: Callable) -> Optional[str]:
+    """None if the Triton path of ``op`` (:func:`kvmeans.ops.kvm.kvm_attention`) matches its torch path on a tiny
+    input, else the failure in one line."""
     from kvmeans.utils.testing import make_inputs
 
     x = make_inputs(B=1, H=2, Hkv=1, T=21, D=16, Dv=16, dtype=torch.float32, seed=0)
@@ -49,13 +50,13 @@ def run_selfcheck(device: torch.device, dtype: torch.dtype, numerics: str) -> Op
             for backend in ("triton", "chunked"):
                 t = {k: v.to(device, dtype).requires_grad_() for k, v in x.items()}
                 params = {k: t[k] for k in ("state_norm_weight", "state_norm_bias", "state_temp", "bswa_temp")}
-                y, state = kvm_attention(*(t[k][:, :, :-1] for k in ("q", "k", "v", "gate")), **cfg, **params,
-                                         return_state=True, backend=backend)
+                y, state = op(*(t[k][:, :, :-1] for k in ("q", "k", "v", "gate")), **cfg, **params,
+                              return_state=True, backend=backend)
                 runs[backend] = [y, *torch.autograd.grad(y.float().square().sum(), [t[k] for k in TOKENS])]
             with torch.no_grad():           # one decode step from the torch path's state
                 for backend, decode in (("triton", "triton"), ("chunked", "recurrent")):
-                    runs[backend].append(kvm_attention(*(t[k][:, :, -1:] for k in TOKENS), **cfg, **params,
-                                                       initial_state=state.clone(), backend=decode))
+                    runs[backend].append(op(*(t[k][:, :, -1:] for k in TOKENS), **cfg, **params,
+                                            initial_state=state.clone(), backend=decode))
     except Exception as err:            # compile errors, launch failures: anything means "do not trust it"
         first = str(err).strip().splitlines()
         return f"{type(err).__name__}: {first[0] if first else ''}"

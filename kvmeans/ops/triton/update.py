@@ -1,4 +1,4 @@
-"""State-update kernels (merge routing scores, fp32 scatter-accumulation) and a route-agreement measurement.
+"""State-update kernels: merge routing scores and fp32 scatter-accumulation.
 
 * ``_route_scores_kernel`` [cdiv(N, BLOCK_T), B*Hkv]: for each overflow token j, over the state rows i
   (tiles of BLOCK_N rows): ``novelty_j = max_i k̄_j·LN_s(s_i)`` (all rows, sinks included: append ranking)
@@ -10,16 +10,12 @@
 * ``_scatter_add_kernel`` [cdiv(N, BLOCK_T), B*Hkv]: ``dst[b, h, dest[j]] += src[b, h, j]`` with fp32
   atomics (sums of a state row are accumulated in fp32 whatever the token dtype; the order of the atomic
   adds is not deterministic, so results match torch's ``scatter_add`` to rounding, not bitwise).
-* :func:`route_agreement`: the share of entering tokens routed to the same row by two versions of the
-  same sequence's k / v / gate (e.g. bf16-rounded vs fp32), using the torch routing pass of the chunked
-  path: bf16 rounding can flip near-tie routes, so kernels are compared with routes pinned to the
-  reference and the agreement is reported on its own.
 
-Used by the recurrent path under ``attn="triton"`` (``kvmeans.ops.recurrent._update``: decode and short
-continuations, fp32 state): routes equal the torch routing's, and in the interpreter (sequential atomics, in
-token order like ``scatter_add_``) the rows are bit-identical; on a GPU the atomic order is not fixed, so the
-sums agree to rounding. The chunked path (and its no-grad prefill) still routes with
-:func:`kvmeans.ops.routing.route_overflow` + ``scatter_add_``. See the README.
+Used by the state updates under ``attn="triton"`` with an fp32 state (:func:`kvmeans.ops.state.absorb`: decode,
+continuations, the chunked path's routing pass and its no-grad prefill): routes equal the torch routing's, and in
+the interpreter (sequential atomics, in token order like ``scatter_add_``) the rows are bit-identical; on a GPU
+the atomic order is not fixed, so the sums agree to rounding. How often bf16 rounding flips a near-tie route is
+measured by :func:`kvmeans.ops.chunk.route.route_agreement`. See the README.
 """
 from __future__ import annotations
 
@@ -29,10 +25,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kvmeans.ops.routing import route_overflow
-from kvmeans.ops.triton.attention import INTERPRETED, _pow2, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _pow2, autotuned, dot_precision
 
 _CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
             for t, n, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (16, 64, 2)]]
+FIXED_META = {"BLOCK_T": 64, "BLOCK_N": 64, "num_warps": 4}   # KVMEANS_TRITON_AUTOTUNE=0
 INTERPRET_META = {"BLOCK_T": 16, "BLOCK_N": 16}
 
 
@@ -102,6 +99,8 @@ def route_scores(sel: Tensor, rows_hat: Tensor, sink_len: int):
     grid = lambda META: (triton.cdiv(N, META["BLOCK_T"]), B * Hkv)
     if INTERPRETED:
         _route_scores_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+    elif not autotuned():
+        _route_scores_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
     else:
         _TUNED_SCORES[grid](*args, **consts)
     return best, target.long(), novel
@@ -126,37 +125,3 @@ def scatter_add_rows(dst: Tensor, dest: Tensor, src: Tensor) -> Tensor:
         dst, dest, src, *dst.stride()[:3], *src.stride()[:3], Hkv, N, D, BLOCK_D=_pow2(D), BLOCK_T=block_t)
     return dst
 
-
-@torch.no_grad()
-def route_agreement(k_ref: Tensor, v_ref: Tensor, gate_ref: Tensor, k: Tensor, v: Tensor, gate: Tensor, *, chunk_len: int,
-                    n_bswa_chunks: int, sink_len: int, rope_dim: int, budget, state_norm_weight=None,
-                    state_norm_bias=None, state_norm_eps: float = 1e-5, gate_keys: bool = True,
-                    gate_values: bool = True, gate_appends: bool = False) -> dict:
-    """Route one sequence twice (``k_ref, v_ref, gate_ref`` and e.g. their bf16-rounded copies ``k, v, gate``,
-    ``[B, Hkv, T, D|Dv]`` / ``[B, Hkv, T]``, computed in float32) and compare where its entering tokens went.
-
-    Returns ``{"tokens": N, "dest": share with the same destination row, "created": share with the same
-    append/merge decision, "first_flip": index of the first entering token whose row differs (None if none)}``.
-    After a first flip the two states differ, so later disagreements are partly consequences of it.
-    """
-    from kvmeans.ops.budget import as_budget
-    from kvmeans.ops.chunk import _route
-    from kvmeans.ops.schedule import coverage_after
-    from kvmeans.ops.state import KVMState
-
-    routes = []
-    for kk, vv, gg in ((k_ref, v_ref, gate_ref), (k, v, gate)):
-        kk, vv, gg = kk.float(), vv.float(), gg.float()
-        B, Hkv, T, D = kk.shape
-        state = KVMState.empty(B, Hkv, D, vv.shape[-1], dtype=torch.float32, device=kk.device, chunk_len=chunk_len,
-                               n_bswa_chunks=n_bswa_chunks, sink_len=sink_len, rope_dim=rope_dim, value_radius=True)
-        n = coverage_after(T, chunk_len, n_bswa_chunks)
-        ln = (state_norm_weight, state_norm_bias, state_norm_eps)
-        routes.append(_route(state, kk[:, :, :n], vv[:, :, :n], gg[:, :, :n], as_budget(budget), ln, T, gate_keys,
-                             gate_values, gate_appends))
-    a, b = routes
-    same = a.dest == b.dest
-    flips = (~same).flatten(0, 1).any(0).nonzero()
-    return {"tokens": same.shape[-1], "dest": same.float().mean().item(),
-            "created": (a.created == b.created).float().mean().item(),
-            "first_flip": int(flips[0]) if len(flips) else None}

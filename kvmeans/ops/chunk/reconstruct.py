@@ -4,7 +4,7 @@ The forward attends each group of query chunks exactly as :mod:`kvmeans.ops.chun
 autograd graph. It saves the final state sums and, for every token that entered the state, a *stash*:
 the value its destination row had in the state before the token's group (tokens of one group all read
 the group's base state, so tokens sharing a row stash equal values). The backward walks the groups in
-reverse (reference-semantics 3.4, "reconstruct live state"):
+reverse (docs/reference-conventions.md §3.4, "reconstruct the live state"):
 
 1. restoring the stash of a group's tokens turns the state after the group into the state before it,
    bit for bit (a scatter of copied values, no subtraction);
@@ -127,8 +127,9 @@ class _Reconstruct(torch.autograd.Function):
                 (qa, qb), (wa, wb) = plan.q_spans[i], plan.w_spans[i]
                 kept = (y[:, :, qa:qb], lses[i]) if plan.kernel_saves else None
                 with torch.enable_grad():
-                    leaves = [t.detach().requires_grad_() for t in
-                              (q[:, :, qa:qb], kk[:, :, wa:wb], vv[:, :, wa:wb], *live, *(s[:, :, lo:hi] for s in streams))]
+                    spans = (q[:, :, qa:qb], kk[:, :, wa:wb], vv[:, :, wa:wb], *live,
+                             *(s[:, :, lo:hi] for s in streams))
+                    leaves = [t.detach().requires_grad_() for t in spans]
                     par = [None if t is None else t.detach().requires_grad_() for t in params]
                     o = plan.attend(i, *leaves[:3], leaves[3:6], leaves[6:9], dest, plan.arrival[lo:hi], par,
                                     saved=kept)
