@@ -17,7 +17,6 @@ from typing import Iterable, Optional, Set, Tuple
 
 import torch
 from torch import nn
-
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -30,7 +29,6 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.convert import _RopeAt
 from kvmeans.pretrained.op import converted_kvm_attention, rotate, unrotate
 from kvmeans.serve.state_slots import SlotLayout, decode_batch, load_state, needs_routing, store_state
@@ -78,14 +76,13 @@ class _Plan:
 
 
 class _Shared:
-    """What a model's converted layers share: the spec, the family's RoPE, the cross-layer novelty board and the
-    current forward's plan (rebuilt when the metadata object changes)."""
+    """What a model's converted layers share: the spec, the family's RoPE and the current forward's plan (rebuilt
+    when the metadata object changes). The reserve ranks per layer (exact_scope='model' is refused at start-up)."""
 
     def __init__(self, hf_config, spec, n_layers: int):
         self.spec = spec
         self.pre_rope = spec.rope_mode in ("pre_rope_fixed", "split")
         self.rope = hf_rope(hf_config) if spec.rope_mode != "none" else None
-        self.board = NoveltyBoard(n_layers) if spec.exact_rows and spec.exact_scope == "model" else None
         self._md, self._plan = None, None
 
     def plan(self, md) -> _Plan:
@@ -153,8 +150,6 @@ class KVMStateLayer(nn.Module, MambaBase):
             return out
         spec, shared = self.shared.spec, self.shared
         plan = shared.plan(md)
-        if self.layer_pos == 0 and shared.board is not None:
-            shared.board.clear()
         slots = dict(zip(self.layout.names, self.kv_cache))
         T = plan.num_tokens
         q, k, v = query[:T].view(T, H, D), key[:T].view(T, Hkv, D), value[:T].view(T, Hkv, Dv)
@@ -207,14 +202,11 @@ class KVMStateLayer(nn.Module, MambaBase):
                 rope["cos_d"], rope["sin_d"] = shared.rope(spec.distance, q)
                 rope["rope"] = functools.partial(shared.rope.positions, dtype=q.dtype)
                 rope["positions"] = pos
-        novelty = None
-        if shared.board is not None:
-            novelty = functools.partial(shared.board.combine, self.layer_pos, rows=("slot", slot))
         res = converted_kvm_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], st, scaling=self.scaling,
             budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
             sink_len=spec.sink_len, softcap=self.softcap, log_count_bias=spec.log_count_bias,
-            novel_rows=spec.novel_rows, exact_rows=spec.exact_rows, layer_novelty=novelty,
+            novel_rows=spec.novel_rows, exact_rows=spec.exact_rows,
             merge_gate=None if gate is None else gate.transpose(0, 1)[None], **rope, **learned)
         store_state(slots, slot, st, self.layout)
         return res[0].transpose(0, 1).reshape(T, -1)

@@ -57,6 +57,10 @@ def _refusals(vllm_config) -> None:
     if sorted(layers) != list(range(n_layers)):
         raise ValueError(f"{where}: kvm_conversion converts layers {layers} of {n_layers}; serving keeps no paged "
                          "KV cache beside KVM layers yet, so convert every layer (layers='all')")
+    if spec.exact_rows and spec.exact_scope == "model":
+        raise ValueError(f"{where}: exact_scope='model' (the reserve ranks tokens by novelty averaged over the "
+                         "layers) is not served yet (its greedy tokens drifted from the transformers model's in our "
+                         "tests); convert with exact_scope='layer' (--kvm ...,exact_scope=layer) or exact_rows=0")
     if spec.rope_mode not in ("pre_rope_fixed", "post_rope", "split"):
         raise ValueError(f"{where}: rope_mode={spec.rope_mode!r} is not served (the families served rotate q/k)")
 

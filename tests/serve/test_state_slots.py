@@ -10,8 +10,7 @@ from kvmeans.ops.schedule import rows_after
 from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.convert import KVMSpec
 from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention, rotate, unrotate
-from kvmeans.serve.state_slots import (SlotLayout, decode_batch, load_state, needs_routing, pool_capacity,
-                                       store_state)
+from kvmeans.serve.state_slots import SlotLayout, decode_batch, load_state, needs_routing, pool_capacity, store_state
 
 H, HKV, D = 4, 2, 8
 

@@ -36,9 +36,9 @@ MODELS = Path(os.environ.get("KVMEANS_CACHE", "~/.cache/kvmeans")).expanduser() 
 SMOL, QWEN = MODELS / "smollm2-135m", MODELS / "qwen2.5-coder-0.5b"
 NEW = 24                                   # greedy tokens per prompt
 
-# window 16 tokens (2 chunks of 8), 32 state rows of which 8 exact (ranked across layers), RoPE read at 48:
-# prompts of 100-260 tokens are 6-16 times the window
-SPEC = "budget=32,chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=8"
+# window 16 tokens (2 chunks of 8), 32 state rows of which 8 exact (each layer ranks its own), pre-RoPE keys read
+# at a fixed distance: prompts of 97-260 tokens are 6-16 times the window
+SPEC = "budget=32,chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=8,exact_scope=layer"
 QWEN_SPEC = "budget=24,chunk_len=8,n_bswa_chunks=3,sink_len=4,rope_mode=post_rope"
 NO_MERGE = "budget=512,chunk_len=8,n_bswa_chunks=2,sink_len=2,rope_mode=post_rope"    # every token its own row
 
@@ -82,7 +82,9 @@ def _greedy(llm, prompts, n=NEW):
 
 
 def _release(llm):
-    del llm
+    """Shut the in-process engine down now (its finalizer would tear down vLLM's process-wide parallel groups
+    whenever the object is collected, possibly under the next engine)."""
+    llm.llm_engine.engine_core.shutdown()
     gc.collect()
 
 
@@ -165,7 +167,7 @@ def test_no_merging_equals_stock_vllm(smol):
 
 
 def test_compressed_equals_converted_transformers_model(smol_converted, smol_served):
-    """Prompts 6-16 times the window, 32 rows (8 exact, ranked across layers), pre_rope_fixed: vLLM's greedy tokens
+    """Prompts 6-16 times the window, 32 rows (8 exact, ranked per layer), pre_rope_fixed: vLLM's greedy tokens
     equal kvmeans' converted transformers model's, token for token."""
     _, ref = smol_converted
     assert smol_served["kvm_layers"] == 30               # every layer's Attention replaced by a KVM state layer
@@ -198,6 +200,8 @@ def test_refusals_at_start_up(smol_converted):
     folder, _ = smol_converted
     with pytest.raises(Exception, match="prefix caching is not supported"):
         _engine(folder, enable_prefix_caching=True)
+    with pytest.raises(Exception, match="exact_scope='model'"):
+        _engine(folder, hf_overrides=kvm_hf_overrides(SMOL, SPEC.replace("exact_scope=layer", "exact_scope=model")))
     with pytest.raises(Exception, match="speculative decoding is not supported"):
         _engine(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     gc.collect()
