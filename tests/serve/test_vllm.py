@@ -294,9 +294,10 @@ def test_kvmeans_serve_answers_a_completion(tmp_path):
         assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
         assert answer["usage"]["prompt_tokens"] > 100
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         log.close()
