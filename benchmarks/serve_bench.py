@@ -29,7 +29,7 @@ DEFAULT_KVM = "budget=fixed:132,chunk_len=32,n_bswa_chunks=4,sink_len=4,exact_ro
 
 
 def worker(job: dict) -> dict:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(job["cache_gib"])
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{job['cache_gib']:g}"          # vLLM reads an integer number of GiB
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     import vllm
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help="a plain transformers folder (Llama / Qwen2 / Qwen3)")
     ap.add_argument("--kvm", default=DEFAULT_KVM, help=f"the KVM arm's spec (default {DEFAULT_KVM})")
-    ap.add_argument("--cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE for every engine (GiB)")
+    ap.add_argument("--cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for every engine (GiB)")
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=4096)
