@@ -33,8 +33,8 @@ import torch
 from kvmeans.pretrained.arms import Arm, perplexity, run_windows, streaming_mask, token_nll
 from kvmeans.utils.args import UsageError
 
-__all__ = ["Arm", "documents", "text_windows", "streaming_mask", "token_nll", "perplexity", "parse_arms",
-           "evaluate"]
+__all__ = ["Arm", "documents", "text_windows", "sample_windows", "streaming_mask", "token_nll", "perplexity",
+           "parse_arms", "evaluate"]
 
 
 def documents(source: Union[str, Sequence[Union[str, Path]]] = "shakespeare") -> List[str]:
@@ -61,10 +61,16 @@ def text_windows(tokenizer, source: Union[str, Sequence[Union[str, Path]]] = "sh
     if n < 1 or length < 2:
         raise ValueError(f"need n >= 1 and length >= 2, got n={n}, length={length}")
     docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents(source)]
+    return sample_windows(docs, n, length, seed)
+
+
+def sample_windows(docs: Sequence[Sequence[int]], n: int, length: int, seed: int = 0, where: str = "the source",
+                   fix: str = "lower --windows or --length, or add text") -> torch.Tensor:
+    """``[n, length]`` ids: ``n`` of the aligned ``length``-token windows inside the token-id documents ``docs``,
+    chosen by ``seed`` (in document order); a ``ValueError`` naming ``where`` and ``fix`` when there are fewer."""
     slots = [(i, s) for i, ids in enumerate(docs) for s in range(0, len(ids) - length + 1, length)]
     if len(slots) < n:
-        raise ValueError(f"the source holds {len(slots)} windows of {length} tokens, fewer than n={n}; "
-                         "lower --windows or --length, or add text")
+        raise ValueError(f"{where} holds {len(slots)} windows of {length} tokens, fewer than n={n}; {fix}")
     chosen = sorted(random.Random(seed).sample(slots, n))
     return torch.tensor([docs[i][s:s + length] for i, s in chosen], dtype=torch.long)
 

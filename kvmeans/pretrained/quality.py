@@ -83,22 +83,15 @@ def continuation_len(length: int) -> int:
 def cell_windows(tokenizer, corpus: str, length: int, n: int, seed: int = 0,
                  cache: Optional[Dict[str, List[List[int]]]] = None) -> torch.Tensor:
     """``[n, length]`` ids: ``n`` aligned windows inside ``corpus``' documents, chosen by ``seed``
-    (:func:`kvmeans.pretrained.ppl.text_windows`; ``cache`` keeps a corpus' token ids between lengths)."""
-    import random
-
-    from kvmeans.pretrained.ppl import documents
+    (:func:`kvmeans.pretrained.ppl.sample_windows`; ``cache`` keeps a corpus' token ids between lengths)."""
+    from kvmeans.pretrained.ppl import documents, sample_windows
     if cache is not None and corpus in cache:
         docs = cache[corpus]
     else:
         docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents(corpus)]
         if cache is not None:
             cache[corpus] = docs
-    slots = [(i, s) for i, ids in enumerate(docs) for s in range(0, len(ids) - length + 1, length)]
-    if len(slots) < n:
-        raise ValueError(f"corpus {corpus} holds {len(slots)} windows of {length} tokens, fewer than {n}; lower "
-                         "--windows or --lengths")
-    chosen = sorted(random.Random(seed).sample(slots, n))
-    return torch.tensor([docs[i][s:s + length] for i, s in chosen], dtype=torch.long)
+    return sample_windows(docs, n, length, seed, where=f"corpus {corpus}", fix="lower --windows or --lengths")
 
 
 def _ppl(nll: torch.Tensor) -> float:
