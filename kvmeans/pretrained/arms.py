@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
+from kvmeans.pretrained.nll import forward_nll, token_nll
 from kvmeans.utils.args import UsageError
 
 __all__ = ["Arm", "streaming_mask", "evict", "token_nll", "perplexity", "window_nll", "run_windows",
@@ -66,28 +65,6 @@ def evict(cache, key_pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 # ---- perplexity -------------------------------------------------------------------------------------------------
-def _forward_nll(model, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                 cache=None) -> Tuple[torch.Tensor, float]:
-    """``(nll [B, T - 1] float32, seconds of the forward)`` of each next token of ``ids [B, T]``: one forward,
-    with ``cache`` (a transformers ``Cache``) or none."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask.to(device)}
-    if cache is not None:
-        from kvmeans.models.hf_compat import cache_kwargs
-        kw.update(cache_kwargs(cache))
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=cache is not None, **kw).logits[:, :-1].float()
-    secs = time.perf_counter() - t0
-    return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none"), secs
-
-
-def token_nll(model, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[B, T - 1]`` float32 NLL of each next token of ``ids [B, T]`` under ``model`` (one forward, no cache)."""
-    return _forward_nll(model, ids, attention_mask)[0]
-
-
 def perplexity(model, windows: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> float:
     """``exp`` of the mean next-token NLL over all windows ``[N, T]`` (one window per forward)."""
     nll = torch.cat([token_nll(model, w[None], attention_mask) for w in windows])
@@ -107,7 +84,7 @@ def window_nll(arm: Arm, window: torch.Tensor, cache: bool = False) -> Tuple[tor
     if cache:
         from transformers import DynamicCache
         kv = DynamicCache()
-    nll, secs = _forward_nll(model, window[None], mask, kv)
+    nll, secs = forward_nll(model, window[None], mask, kv)
     if kv is not None:
         from kvmeans.pretrained.cache import cache_nbytes
         if arm.sinks is not None:

@@ -24,7 +24,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "calibration_windows", "calibrate"]
+from kvmeans.pretrained.nll import token_nll
+
+__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "split_named", "calibration_windows", "calibrate"]
 
 DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
 SINKS = 4
@@ -110,14 +112,7 @@ def _tokenizer_of(model):
 
 def _tail_nll(model, windows: torch.Tensor, keys: int) -> float:
     """Mean next-token NLL of the tokens after the first ``keys`` of every window (where compression acts)."""
-    device = next(model.parameters()).device
-    nll = []
-    with torch.no_grad():
-        for w in windows:
-            ids = w[None].to(device)
-            logits = model(input_ids=ids, use_cache=False).logits[0, keys:-1].float()
-            nll.append(torch.nn.functional.cross_entropy(logits, ids[0, keys + 1:], reduction="none"))
-    return torch.cat(nll).double().mean().item()
+    return torch.cat([token_nll(model, w[None])[0, keys:] for w in windows]).double().mean().item()
 
 
 def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Optional[torch.Tensor] = None,
@@ -150,7 +145,7 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Op
         except ValueError:
             continue
         trial = convert(copy.deepcopy(model), **settings)
-        scored.append({"split": split.name, "settings": _plain(settings), "nll": _tail_nll(trial, windows, keys)})
+        scored.append({"split": split.name, "nll": _tail_nll(trial, windows, keys)})
         del trial
     model.train(was_training)
     if bar is not None:
@@ -158,7 +153,7 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Op
     if not scored:
         raise ValueError(f"keys={keys}: no calibration candidate fits; give more keys or settings")
     best = min(scored, key=lambda s: s["nll"])
-    chosen = {**(base or {}), **split_settings(_by_name(candidates, best["split"]), keys)}
+    chosen = {**(base or {}), **split_settings(split_named(best["split"], candidates), keys)}
     chosen["calibration"] = {
         "keys": keys, "text": text, "windows": list(windows.shape), "chosen": best["split"],
         "candidates": [{"split": s["split"], "tail_ppl": round(math.exp(s["nll"]), 4)} for s in scored],
@@ -167,10 +162,7 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Op
     return chosen
 
 
-def _by_name(candidates: Sequence[Split], name: str) -> Split:
+def split_named(name: str, candidates: Sequence[Split] = CANDIDATES) -> Split:
+    """The split of ``candidates`` called ``name`` (a calibration record's ``chosen``)."""
     return next(c for c in candidates if c.name == name)
 
-
-def _plain(settings: dict) -> dict:
-    b = settings.get("budget")
-    return {**settings, "budget": dataclasses.asdict(b) if dataclasses.is_dataclass(b) else b}

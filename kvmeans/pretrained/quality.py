@@ -188,7 +188,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
 
     from kvmeans.models.load import load_hf_tokenizer
     from kvmeans.pretrained.arms import converted_arm, kvm_settings
-    from kvmeans.pretrained.calibrate import CANDIDATES, calibrate, calibration_windows, split_settings
+    from kvmeans.pretrained.calibrate import calibrate, calibration_windows, split_named, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
     records: List[Dict[str, Any]] = []
@@ -202,7 +202,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
         split = None
         if auto:        # once per model, on the built-in calibration text (never on the corpora scored here)
             chosen = calibrate(plain, convert=convert_hf, windows=calibration_windows(tok))
-            split = next(c for c in CANDIDATES if c.name == chosen["calibration"]["chosen"])
+            split = split_named(chosen["calibration"]["chosen"])
             settings.setdefault("calibration", {})[name] = chosen["calibration"]
             log(f"{name}: calibrated split {split.name} ({chosen['calibration']['seconds']} s)")
         for length, n in zip(lengths, windows):
