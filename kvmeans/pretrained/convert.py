@@ -361,7 +361,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     if calibrate or (calibrate is None and not settings):      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
-        _check_rope_kind(cfg)
+        _check_rope_read(cfg, settings.get("rope_mode", "pre_rope_fixed" if FAMILIES[family] else "none"))
         keys = settings.pop("keys", DEFAULT_KEYS)
         base = {**settings, "layers": chosen}
         settings = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer, base=base)
@@ -378,9 +378,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     if spec.rope_mode == "pre_rope_fixed" and spec.rope_distance is None:
         # stored resolved, so a saved model reloads at the distance it was converted (or distilled) with
         spec = dataclasses.replace(spec, rope_distance=spec.distance)
-    if spec.rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
-        raise ValueError(f"rope_mode={spec.rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
-                         "by the sequence length) does not have; use rope_mode='post_rope'")
+    _check_rope_read(cfg, spec.rope_mode)
     board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
     for pos, i in enumerate(chosen):
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
@@ -406,11 +404,12 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     return model
 
 
-def _check_rope_kind(cfg) -> None:
-    """Dynamic RoPE is refused before a calibration pass spends minutes on it."""
-    if "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
-        raise ValueError("rope_mode='pre_rope_fixed' reads RoPE at a fixed position, which dynamic RoPE (scaled by "
-                         "the sequence length) does not have; use rope_mode='post_rope'")
+def _check_rope_read(cfg, rope_mode: str) -> None:
+    """The pre-RoPE modes read RoPE at a fixed position, which dynamic RoPE does not have (checked before a
+    calibration pass spends minutes, and for every conversion)."""
+    if rope_mode in ("pre_rope_fixed", "split") and "'dynamic'" in repr(getattr(cfg, "rope_parameters", None)):
+        raise ValueError(f"rope_mode={rope_mode!r} reads RoPE at a fixed position, which dynamic RoPE (scaled "
+                         "by the sequence length) does not have; use rope_mode='post_rope'")
 
 
 def load_converted(path, settings: Optional[dict] = None, **from_pretrained_kwargs):
