@@ -443,6 +443,32 @@ def test_fixed_tiles_are_autotune_candidates(monkeypatch):
         assert any(all(t.get(k) == v for k, v in fixed.items()) for t in tried), (fixed, tried)
 
 
+def test_launch_picks_interpreter_fixed_or_tuned_tile(monkeypatch):
+    """launch(): the interpreter's small tile, FIXED_META under KVMEANS_TRITON_AUTOTUNE=0, else the autotuner."""
+    calls = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((self.name, grid, kw))
+
+    plain, tuned = Kernel("plain"), Kernel("tuned")
+    grid = lambda meta: (meta["BLOCK_M"],)
+    args = (1, 2)
+    monkeypatch.setattr(tri_attn, "INTERPRETED", True)
+    tri_attn.launch(plain, tuned, grid, args, {"C": 3}, {"BLOCK_M": 16}, {"BLOCK_M": 64, "num_warps": 4})
+    monkeypatch.setattr(tri_attn, "INTERPRETED", False)
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "0")
+    tri_attn.launch(plain, tuned, grid, args, {"C": 3}, {"BLOCK_M": 16}, {"BLOCK_M": 64, "num_warps": 4})
+    monkeypatch.setenv("KVMEANS_TRITON_AUTOTUNE", "1")
+    tri_attn.launch(plain, tuned, grid, args, {"C": 3}, {"BLOCK_M": 16}, {"BLOCK_M": 64, "num_warps": 4})
+    assert calls[0] == ("plain", (16,), {"C": 3, "BLOCK_M": 16})
+    assert calls[1] == ("plain", (64,), {"C": 3, "BLOCK_M": 64, "num_warps": 4})
+    assert calls[2][0] == "tuned" and calls[2][2] == {"C": 3} and callable(calls[2][1])
+
+
 # ---- compiled kernels on a GPU ---------------------------------------------------------------
 GPU_CASES = [
     (1000, 64, 2, 1, StateBudget.fixed(128), 8, 2, 32),

@@ -330,14 +330,20 @@ _PLAIN = {"fwd": _fwd_kernel, "dq": _bwd_dq_kernel, "dkv_state": _bwd_dkv_state_
 INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
 
 
-def _launch(name, grid, *args, **consts):
-    """Autotuned launch on GPU; a fixed small tile under the interpreter (autotuning there only burns time)."""
+def launch(plain, tuned, grid, args, consts, interpret_meta, fixed_meta) -> None:
+    """Run a kernel: ``tuned`` (its autotuned wrapper) on a GPU; ``plain`` with ``fixed_meta`` when
+    ``KVMEANS_TRITON_AUTOTUNE=0``; ``plain`` with the small ``interpret_meta`` tile under the interpreter
+    (autotuning there only burns time). ``grid(meta)`` gives the launch grid."""
     if INTERPRETED:
-        _PLAIN[name][grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
+        plain[grid(interpret_meta)](*args, **consts, **interpret_meta)
     elif not autotuned():
-        _PLAIN[name][grid(FIXED_META)](*args, **consts, **FIXED_META)
+        plain[grid(fixed_meta)](*args, **consts, **fixed_meta)
     else:
-        _TUNED[name][grid](*args, **consts)
+        tuned[grid](*args, **consts)
+
+
+def _launch(name, grid, *args, **consts):
+    launch(_PLAIN[name], _TUNED[name], grid, args, consts, INTERPRET_META, FIXED_META)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvmeans.ops.triton.attention import INTERPRETED, _load_kv, _pow2, _softmax_step, autotuned, dot_precision
+from kvmeans.ops.triton.attention import _load_kv, _pow2, _softmax_step, dot_precision, launch
 
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in [(64, 4, 2), (128, 4, 2), (32, 2, 2), (64, 2, 3), (128, 8, 3)]]
@@ -110,12 +110,7 @@ def decode_attention(q: Tensor, state_keys: Optional[Tensor], state_values: Opti
             *q.stride()[:3], *out.stride()[:3], *state_keys.stride()[:3], *state_values.stride()[:3],
             *window_keys.stride()[:3], *window_values.stride()[:3], Hkv, D, DV, t, float(scale))
     consts = dict(REP=REP, PREC=dot_precision(q.dtype), BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_M=block_m)
-    if INTERPRETED:
-        _decode_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
-    elif not autotuned():
-        _decode_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
-    else:
-        _TUNED[grid](*args, **consts)
+    launch(_decode_kernel, _TUNED, grid, args, consts, INTERPRET_META, FIXED_META)
     return out
 
 

@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvmeans.ops.routing import route_overflow
-from kvmeans.ops.triton.attention import INTERPRETED, _pow2, autotuned, dot_precision
+from kvmeans.ops.triton.attention import INTERPRETED, _pow2, dot_precision, launch
 
 _CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_N": n}, num_warps=w)
             for t, n, w in [(64, 64, 4), (32, 64, 4), (64, 32, 4), (128, 64, 8), (16, 64, 2)]]
@@ -97,12 +97,7 @@ def route_scores(sel: Tensor, rows_hat: Tensor, sink_len: int):
     args = (sel, rows_hat, best, target, novel, *sel.stride()[:3], *rows_hat.stride()[:3], Hkv, N, M, sink_len, D)
     consts = dict(PREC=dot_precision(sel.dtype), BLOCK_D=_pow2(D))
     grid = lambda META: (triton.cdiv(N, META["BLOCK_T"]), B * Hkv)
-    if INTERPRETED:
-        _route_scores_kernel[grid(INTERPRET_META)](*args, **consts, **INTERPRET_META)
-    elif not autotuned():
-        _route_scores_kernel[grid(FIXED_META)](*args, **consts, **FIXED_META)
-    else:
-        _TUNED_SCORES[grid](*args, **consts)
+    launch(_route_scores_kernel, _TUNED_SCORES, grid, args, consts, INTERPRET_META, FIXED_META)
     return best, target.long(), novel
 
 
