@@ -3,7 +3,6 @@ taken in turn, so that on a shared, noisy machine every arm sees the same load a
 per-process runs of :mod:`kvmeans.bench.longctx` measure memory; their decode times each see their own load)."""
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import asdict
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 from kvmeans.bench.longctx import LongctxConfig, _kvm_settings, _load, _runner, _sync, check_config
+from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["run_interleaved"]
 
@@ -39,7 +39,7 @@ def run_interleaved(c: LongctxConfig, log: Callable[[str], None] = print) -> Lis
         a = asdict(arm)
         if arm.kind == "kvm":
             from kvmeans.pretrained.convert import convert_hf
-            models[arm.label] = convert_hf(copy.deepcopy(plain), **_kvm_settings(a["spec"], c.segment))
+            models[arm.label] = convert_hf(copy_sharing_weights(plain), **_kvm_settings(a["spec"], c.segment))
         else:
             models[arm.label] = plain
     cfg = plain.config.get_text_config(decoder=True) if hasattr(plain.config, "get_text_config") else plain.config

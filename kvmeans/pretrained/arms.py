@@ -12,7 +12,6 @@ bytes its cache holds after the window); :func:`run_windows` runs arms over wind
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -21,6 +20,7 @@ import torch
 
 from kvmeans.pretrained.nll import forward_nll, token_nll
 from kvmeans.utils.args import UsageError
+from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Arm", "streaming_mask", "evict", "token_nll", "perplexity", "window_nll", "run_windows",
            "kvm_kept_keys", "streaming_arm", "converted_arm", "kvm_spec_arm", "saved_arm", "kvm_settings", "kvm_arm",
@@ -136,7 +136,7 @@ def kvm_spec_arm(model, kvm: dict, length: int) -> Arm:
     :class:`UsageError` when they cannot apply."""
     from kvmeans.pretrained.convert import convert_hf
     try:
-        conv = convert_hf(copy.deepcopy(model), **kvm)
+        conv = convert_hf(copy_sharing_weights(model), **kvm)
     except ValueError as err:
         raise UsageError(f"--kvm: {err}") from None
     return converted_arm("kvm", conv, length)
@@ -182,4 +182,4 @@ def kvm_settings(keys: int, kvm: dict) -> dict:
 def kvm_arm(model, keys: int, kvm: dict) -> Arm:
     """Training-free KVM at ``keys`` kept keys on a converted copy of ``model`` (:func:`kvm_settings`)."""
     from kvmeans.pretrained.convert import convert_hf
-    return Arm("kvm", convert_hf(copy.deepcopy(model), **kvm_settings(keys, kvm)), keys)
+    return Arm("kvm", convert_hf(copy_sharing_weights(model), **kvm_settings(keys, kvm)), keys)

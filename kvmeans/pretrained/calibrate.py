@@ -13,7 +13,6 @@ caller passes. The choice, the candidates' losses and the text are recorded unde
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gzip
 import json
@@ -25,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from kvmeans.pretrained.nll import token_nll
+from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "split_named", "calibration_windows", "calibrate"]
 
@@ -144,7 +144,7 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Op
             settings = {**(base or {}), **split_settings(split, keys)}
         except ValueError:
             continue
-        trial = convert(copy.deepcopy(model), **settings)
+        trial = convert(copy_sharing_weights(model), **settings)
         scored.append({"split": split.name, "nll": _tail_nll(trial, windows, keys)})
         del trial
     model.train(was_training)

@@ -281,7 +281,7 @@ def _segmented(model, inner, named: dict, x: torch.Tensor, segment: int, keep: i
         cache = DynamicCache(config=model.config)
     T, mask, positions = x.shape[1], named.get("attention_mask"), named.get("position_ids")
     past = cache.get_seq_length()
-    logits, out = [], None
+    logits, out, filled = None, None, 0      # logits written into one tensor: a list then cat would hold two copies
     for s in range(0, T, segment):
         e = min(T, s + segment)
         want = e - s if keep == 0 else max(0, min(e - s, keep - (T - e)))      # logits of [s, e) to return
@@ -298,11 +298,15 @@ def _segmented(model, inner, named: dict, x: torch.Tensor, segment: int, keep: i
             out = inner(**part)
         finally:
             _clear_inputs(model)
-        if keep == 0:
-            logits.append(out.logits)
-        elif want:
-            logits.append(out.logits[:, -want:])
-    out.logits = torch.cat(logits, 1) if len(logits) > 1 else logits[0]
+        part_logits = out.logits if keep == 0 else out.logits[:, -want:] if want else None
+        if part_logits is not None:
+            if logits is None:
+                n = T if keep == 0 else min(T, keep)
+                logits = part_logits.new_empty(part_logits.shape[0], n, *part_logits.shape[2:])
+            logits[:, filled:filled + part_logits.shape[1]] = part_logits
+            filled += part_logits.shape[1]
+        part_logits = out["logits"] = None      # item and attribute: not held through the next segment's forward
+    out["logits"] = logits
     if not use_cache and out.get(CACHE_KWARG) is not None:
         out[CACHE_KWARG] = None     # the installed name only: 5.24 warns on the old one
     return out if return_dict is not False else out.to_tuple()

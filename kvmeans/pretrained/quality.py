@@ -34,7 +34,6 @@ Outputs under ``--out`` (atomic, rewritten after every cell): ``quality.json`` (
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -46,6 +45,7 @@ import torch
 
 from kvmeans.pretrained.arms import Arm, run_windows, streaming_arm
 from kvmeans.utils.io import atomic_write_text
+from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Cell", "cell_role", "kept_keys", "continuation_len", "cell_windows", "score_cell", "merge_kvpress",
            "format_tables", "write_outputs"]
@@ -211,11 +211,12 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
                 continue
             keys = kept_keys(length, keep)
             arms = [Arm("full", plain), streaming_arm(plain, keys, SINKS)]
+            def converted(settings):            # the arms share plain's weights: no model copy per arm
+                return convert_hf(copy_sharing_weights(plain), **settings)
             if kvm is not None:
-                arms.append(converted_arm("kvm", convert_hf(copy.deepcopy(plain), **kvm_settings(keys, kvm)), length))
+                arms.append(converted_arm("kvm", converted(kvm_settings(keys, kvm)), length))
             if split is not None:
-                arms.append(converted_arm("kvm-auto", convert_hf(copy.deepcopy(plain), **split_settings(split, keys)),
-                                          length))
+                arms.append(converted_arm("kvm-auto", converted(split_settings(split, keys)), length))
             if name in distilled:               # its learned read-out at this cell's kept keys
                 with open(Path(distilled[name]) / "config.json", encoding="utf-8") as f:
                     stored = json.load(f)["kvm_conversion"]
