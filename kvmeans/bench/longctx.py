@@ -166,7 +166,7 @@ class LongctxConfig:
     dtype: str = "float32"
     device: str = "cpu"
     threads: Optional[int] = None
-    segment: int = 1024
+    segment: int = 256
     seed: int = 0
     timeout: float = 1800.0
     generate: bool = False            # through model.generate (batch 1; full and kvm arms)

@@ -44,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default float32; auto: as saved)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch threads in each run (default: torch's)")
-    p.add_argument("--segment", type=int, default=1024,
+    p.add_argument("--segment", type=int, default=256,
                    help="prefill segment of the streaming arms and of kvm arms whose spec sets no prefill_segment "
-                        "(default 1024)")
+                        "(default 256)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed (default 1800)")
     p.add_argument("--generate", action="store_true", help="run model.generate on the prompt instead of a forward "
                    "and a decode loop (batch 1; full and kvm arms): what a user gets with no setting")

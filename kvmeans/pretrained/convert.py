@@ -53,7 +53,8 @@ class KVMSpec:
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
     carrying the cache, so a prompt of any length is read in memory that does not grow with it (0: one call);
-    the outputs are those of one call.
+    the outputs are those of one call. 256 rather than 1024: the peak prefill memory above the model of
+    SmolLM2-135M at 2K-32K tokens is ~70-80 MB instead of ~180-270 MB, at the same speed (docs/benchmarks.md).
     """
     budget: Union[StateBudget, int] = 128
     chunk_len: int = 32                # measured on SmolLM2: C=32, n=4 beats C=64, n=2 at the same kept keys
@@ -66,7 +67,7 @@ class KVMSpec:
     exact_rows: int = 0
     exact_scope: str = "model"
     learned: bool = False
-    prefill_segment: int = 1024
+    prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
     def __post_init__(self):
         as_budget(self.budget)
