@@ -83,6 +83,7 @@ class ConvertedKVMState:
         self.seen = 0
         self.covered = 0
         self.sink_len = 0
+        self.unrotated = None       # the buffer's keys unrotated, within one call (``_state_keys``)
         for name in self.FIELDS:
             setattr(self, name, None)
 
@@ -151,12 +152,14 @@ def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
 
 def _state_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: Optional[RopeFn]) -> Tensor:
     """The keys the state merges for buffered tokens ``[lo, hi)`` (buffer indices) in ``acc``: post-RoPE keys
-    unrotated at their positions (pre-RoPE modes, ``rope`` given) or as they are."""
-    k = st.buf_k[..., lo:hi, :].to(acc)
+    unrotated at their positions (pre-RoPE modes, ``rope`` given) or as they are. The whole buffer is unrotated
+    once per call (``st.unrotated``, dropped by :func:`_trim`): per chunk it cost ~20 small ops (GPU launches)."""
     if rope is None:
-        return k
-    cos, sin = rope(st.buf_pos[:, lo:hi])
-    return unrotate(k, cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc))
+        return st.buf_k[..., lo:hi, :].to(acc)
+    if st.unrotated is None:
+        cos, sin = rope(st.buf_pos)
+        st.unrotated = unrotate(st.buf_k.to(acc), cos.unsqueeze(1).to(acc), sin.unsqueeze(1).to(acc))
+    return st.unrotated[..., lo:hi, :]
 
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
@@ -176,7 +179,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     acc = torch.promote_types(st.buf_v.dtype, torch.float32)   # state sums: fp32 for half inputs
     gate = None if st.buf_g is None else st.buf_g.to(acc)      # a token adds g*k, g*v and g to its row
     if st.count is None:                                 # the first chunk becomes the initial rows
-        st.key_sum = _state_keys(st, 0, chunk_len, acc, rope)
+        st.key_sum = _state_keys(st, 0, chunk_len, acc, rope).clone()     # not a view of the whole call's keys
         st.value_sum = st.buf_v[..., :chunk_len, :].to(acc)
         st.count = st.key_sum.new_ones(st.key_sum.shape[:-1])
         st.sink_len = sink_len
@@ -227,6 +230,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
 def _trim(st: ConvertedKVMState) -> None:
     """Drop the merged tokens from the buffer, copying what stays: a view would keep the whole call's keys and
     values alive (the buffer grows from a call's full inputs)."""
+    st.unrotated = None
     drop = 0 if st.buf_v is None else st.covered - (st.seen - st.buf_v.shape[-2])
     if drop <= 0:
         return
@@ -289,6 +293,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         q_state = q
     base0 = start - (0 if state.buf_v is None else state.buf_v.shape[-2])
     state.buf_k, state.buf_v, state.seen = _cat(state.buf_k, k), _cat(state.buf_v, v), start + T
+    state.unrotated = None
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
