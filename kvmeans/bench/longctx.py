@@ -219,6 +219,13 @@ def rss_bytes() -> Optional[int]:
     return None if kb is None else kb * 1024
 
 
+def anon_bytes() -> Optional[int]:
+    """Anonymous resident memory of this process now (``RssAnon``: its own allocations, not the pages of files it
+    maps, such as memory-mapped weights, which the kernel may drop and read again); None where unavailable."""
+    kb = _status_kb("RssAnon")
+    return None if kb is None else kb * 1024
+
+
 def ru_maxrss_bytes() -> int:
     """The process's peak resident memory since it started (``getrusage``: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -238,23 +245,31 @@ def _reset_hwm() -> bool:
 class PeakRSS:
     """The peak resident memory of this process over a ``with`` block (``peak``, bytes; None without ``/proc``):
     the larger of the kernel's high-water mark (reset at entry, where the kernel allows it) and a thread reading
-    ``VmRSS`` every ``interval`` seconds (it runs while torch kernels release the GIL)."""
+    ``VmRSS`` every ``interval`` seconds (it runs while torch kernels release the GIL). ``anon``: the peak of
+    ``RssAnon`` the thread read (no file pages: memory-mapped weights that the kernel evicts under memory pressure
+    and reads back move ``VmRSS`` but not this)."""
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
         self.peak: Optional[int] = None
         self.sampled: Optional[int] = None
         self.hwm: Optional[int] = None
+        self.anon: Optional[int] = None
+
+    def _read(self) -> None:
+        now, anon = rss_bytes(), anon_bytes()
+        if now is not None:
+            self.sampled = max(self.sampled or 0, now)
+        if anon is not None:
+            self.anon = max(self.anon or 0, anon)
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
-            now = rss_bytes()
-            if now is not None:
-                self.sampled = max(self.sampled or 0, now)
+            self._read()
 
     def __enter__(self) -> "PeakRSS":
         self.hwm_reset = _reset_hwm()
-        self.sampled = rss_bytes()
+        self.sampled, self.anon = rss_bytes(), anon_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         if self.sampled is not None:
@@ -265,9 +280,7 @@ class PeakRSS:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        now = rss_bytes()
-        if now is not None:
-            self.sampled = max(self.sampled or 0, now)
+        self._read()
         kb = _status_kb("VmHWM") if self.hwm_reset else None
         self.hwm = None if kb is None else kb * 1024
         found = [v for v in (self.sampled, self.hwm) if v is not None]
@@ -418,7 +431,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         del warm, nxt
         gc.collect()
         _sync(device)
-        rss_loaded = rss_bytes()
+        rss_loaded, anon_loaded = rss_bytes(), anon_bytes()
         ru_maxrss = ru_maxrss_bytes()     # the peak through loading and warm-up (PeakRSS resets it below)
         gpu_loaded = torch.cuda.memory_allocated(device) if cuda else None
         if cuda:
@@ -457,6 +470,9 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         "peak_prefill_bytes": pre.peak, "peak_decode_bytes": dec.peak,
         "peak_prefill_hwm_bytes": pre.hwm, "peak_prefill_sampled_bytes": pre.sampled, "hwm_reset": pre.hwm_reset,
         "peak_above_model_bytes": above(max(peaks) if peaks else None, rss_loaded),
+        "anon_loaded_bytes": anon_loaded,
+        "peak_anon_above_model_bytes": above(max((p for p in (pre.anon, dec.anon) if p is not None), default=None),
+                                             anon_loaded),
         "ru_maxrss_load_bytes": ru_maxrss,
         "gpu_loaded_bytes": gpu_loaded,
         "gpu_peak_above_model_bytes": above(max(gpu_prefill, gpu_decode), gpu_loaded) if cuda else None,
@@ -567,6 +583,7 @@ def _row(arm: ArmSpec, length: int, r: Dict[str, Any]) -> Dict[str, Any]:
     by_kind = r.get("cache_bytes_by_kind") or {}
     return {"arm": arm.label, "kind": arm.kind, "length": length, "status": r["status"],
             "peak_rss_above_model_mb": _mb(r.get("peak_above_model_bytes")),
+            "peak_anon_above_model_mb": _mb(r.get("peak_anon_above_model_bytes")),
             "peak_prefill_rss_mb": _mb(r.get("peak_prefill_bytes")),
             "peak_decode_rss_mb": _mb(r.get("peak_decode_bytes")),
             "rss_model_mb": _mb(r.get("rss_model_bytes")), "rss_loaded_mb": _mb(r.get("rss_loaded_bytes")),
@@ -588,11 +605,12 @@ def rows_table(rows: Sequence[Dict[str, Any]], arms: Sequence[ArmSpec]) -> str:
     from kvmeans.bench.report import format_table
     order = {a.label: i for i, a in enumerate(arms)}
     gpu = any(r.get("gpu_peak_above_model_mb") is not None for r in rows)
-    head = ["arm", "length", "peak RSS above model MB"] + (["peak GPU above model MB"] if gpu else []) + \
+    head = ["arm", "length", "peak RSS above model MB", "anon MB"] + (["peak GPU above model MB"] if gpu else []) + \
         ["TTFT s", "prefill tok/s", "decode ms/tok", "tok/s", "cache MB", "status"]
     body = []
     for r in sorted(rows, key=lambda r: (order.get(r["arm"], len(order)), r["length"])):
-        body.append([r["arm"], r["length"], _fmt(r["peak_rss_above_model_mb"], ".1f")]
+        body.append([r["arm"], r["length"], _fmt(r["peak_rss_above_model_mb"], ".1f"),
+                     _fmt(r.get("peak_anon_above_model_mb"), ".1f")]
                     + ([_fmt(r["gpu_peak_above_model_mb"], ".1f")] if gpu else [])
                     + [_fmt(r["ttft_s"], ".3f"), _fmt(r["prefill_tok_s"], ".0f"), _fmt(r["decode_ms_per_tok"], ".2f"),
                        _fmt(r["decode_tok_s"], ".1f"), _fmt(r["cache_mb"], ".3f"), r["status"]])
@@ -672,8 +690,10 @@ def run(c: LongctxConfig, log: Callable[[str], None] = print) -> List[Dict[str, 
             rows.append(_row(arm, length, r))
             done = rows[-1]
             if done["status"] == "ok":
+                anon = _fmt(done.get("peak_anon_above_model_mb"), ".1f")
                 what = (f"ttft {done['ttft_s']:.3f} s, decode {done['decode_ms_per_tok']:.2f} ms/tok, peak "
-                        f"+{_fmt(done['peak_rss_above_model_mb'], '.1f')} MB, cache {done['cache_mb']:.3f} MB")
+                        f"+{_fmt(done['peak_rss_above_model_mb'], '.1f')} MB (anon +{anon}), "
+                        f"cache {done['cache_mb']:.3f} MB")
             else:
                 what = done["error"] or ""
             log(f"[{n}/{total}] {arm.label} @ {length}: {done['status']} ({what})")

@@ -185,6 +185,29 @@ def test_peak_rss_sees_an_allocation():
     assert probe.peak - before > 48 * 2 ** 20, (probe.peak, before, probe.hwm, probe.sampled)
 
 
+def test_peak_anon_counts_allocations_and_not_mapped_file_pages(tmp_path):
+    """``anon`` rises with a tensor the process allocates, not with the pages of a file it maps and reads (as
+    memory-mapped weights are), which ``peak`` (all resident memory) does count."""
+    import mmap
+    import time
+    if longctx.anon_bytes() is None:
+        pytest.skip("no RssAnon in /proc/self/status")
+    size = 64 * 2 ** 20
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * size)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        anon0, rss0 = longctx.anon_bytes(), longctx.rss_bytes()
+        with longctx.PeakRSS() as probe:
+            assert sum(mapped[i] for i in range(0, size, 4096)) == size // 4096     # every page read
+            time.sleep(0.05)
+        assert probe.peak - rss0 > 48 * 2 ** 20 and probe.anon - anon0 < 16 * 2 ** 20, (probe.peak, probe.anon)
+    with longctx.PeakRSS() as probe:
+        x = torch.ones(size // 4)
+        time.sleep(0.05)                    # the sampler reads RssAnon every 5 ms
+        del x
+    assert probe.anon - anon0 > 48 * 2 ** 20, (probe.anon, anon0)
+
+
 def test_parse_arm():
     assert longctx.parse_arm("full") == longctx.ArmSpec("full", "full")
     assert longctx.parse_arm("streaming:4+256") == longctx.ArmSpec("streaming:4+256", "streaming", 4, 256)
