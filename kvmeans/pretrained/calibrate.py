@@ -28,6 +28,7 @@ from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "split_named", "calibration_windows", "calibrate"]
 
+BUILT_IN = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source, 1 window each"
 DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
 SINKS = 4
 
@@ -117,18 +118,19 @@ def _tail_nll(model, windows: torch.Tensor, keys: int) -> float:
 
 def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Optional[torch.Tensor] = None,
               tokenizer=None, length: int = 1024, candidates: Sequence[Split] = CANDIDATES,
-              base: Optional[dict] = None, progress: bool = True) -> dict:
+              base: Optional[dict] = None, progress: bool = True, text: Optional[str] = None) -> dict:
     """Pick ``convert_hf`` settings for ``model`` at ``keys`` kept keys: every split in ``candidates`` converts a
-    copy of ``model`` with ``convert`` (:func:`kvmeans.convert_hf`, which calls this module: passed in, not
-    imported) and is scored on ``windows`` (``[N, T]`` ids; default :func:`calibration_windows` with the model's
-    tokenizer). ``base``: other settings every candidate gets. Returns the best settings with a ``calibration``
-    record (candidates, their losses, the text, seconds). ``model`` itself is not changed."""
+    copy of ``model`` sharing its weights, with ``convert`` (:func:`kvmeans.convert_hf`, which calls this module:
+    passed in, not imported), and is scored on ``windows`` (``[N, T]`` ids; default :func:`calibration_windows` with
+    the model's tokenizer). ``base``: other settings every candidate gets; ``text``: what ``windows`` are, for the
+    record. Returns the best settings with a ``calibration`` record (candidates, their losses, the text, seconds).
+    ``model`` itself is not changed."""
     from kvmeans.utils.progress import progress_bar
     t0 = time.perf_counter()
     if windows is None:
         windows = calibration_windows(tokenizer or _tokenizer_of(model), length)
-        text = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source, 1 window each"
-    else:
+        text = BUILT_IN
+    elif text is None:
         text = "caller's token ids"
     if windows.dim() != 2 or windows.shape[1] <= keys + 1:
         raise ValueError(f"calibration windows must be [N, T] with T > keys + 1 = {keys + 1}, got "

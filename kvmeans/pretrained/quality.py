@@ -188,7 +188,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
 
     from kvmeans.models.load import load_hf_tokenizer
     from kvmeans.pretrained.arms import converted_arm, kvm_settings
-    from kvmeans.pretrained.calibrate import calibrate, calibration_windows, split_named, split_settings
+    from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
     records: List[Dict[str, Any]] = []
@@ -201,7 +201,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
         token_cache: Dict[str, List[List[int]]] = {}
         split = None
         if auto:        # once per model, on the built-in calibration text (never on the corpora scored here)
-            chosen = calibrate(plain, convert=convert_hf, windows=calibration_windows(tok))
+            chosen = calibrate(plain, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN)
             split = split_named(chosen["calibration"]["chosen"])
             settings.setdefault("calibration", {})[name] = chosen["calibration"]
             log(f"{name}: calibrated split {split.name} ({chosen['calibration']['seconds']} s)")
