@@ -459,6 +459,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         cache_end, _ = _cache_bytes(run.cache)
     step = statistics.median(steps[1:] if len(steps) > 1 else steps)
     peaks = [p for p in (pre.peak, dec.peak) if p is not None]
+    anon_peaks = [p for p in (pre.anon, dec.anon) if p is not None]
 
     def above(x, base):
         return None if x is None or base is None else x - base
@@ -471,8 +472,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         "peak_prefill_hwm_bytes": pre.hwm, "peak_prefill_sampled_bytes": pre.sampled, "hwm_reset": pre.hwm_reset,
         "peak_above_model_bytes": above(max(peaks) if peaks else None, rss_loaded),
         "anon_loaded_bytes": anon_loaded,
-        "peak_anon_above_model_bytes": above(max((p for p in (pre.anon, dec.anon) if p is not None), default=None),
-                                             anon_loaded),
+        "peak_anon_above_model_bytes": above(max(anon_peaks) if anon_peaks else None, anon_loaded),
         "ru_maxrss_load_bytes": ru_maxrss,
         "gpu_loaded_bytes": gpu_loaded,
         "gpu_peak_above_model_bytes": above(max(gpu_prefill, gpu_decode), gpu_loaded) if cuda else None,

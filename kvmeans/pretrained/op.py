@@ -55,6 +55,16 @@ def unrotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((xr, x[..., r:]), dim=-1) if r < x.shape[-1] else xr
 
 
+def state_query(q: Tensor, cos: Tensor, sin: Tensor, cos_d: Tensor, sin_d: Tensor) -> Tensor:
+    """The query of the pre-RoPE modes that reads the state rows (float32 at least): ``q [..., T, D]`` as the model
+    rotated it, unrotated at its positions (``cos``/``sin`` broadcastable to ``[..., T, R]``) and rotated by the read
+    distance (``cos_d``/``sin_d [R]``): ``(R(d) q).k`` equals ``q_rot(p).R(p-d)k``; ``a^2 R(d)`` where the model's
+    RoPE carries an attention scaling ``a``."""
+    dt = torch.promote_types(q.dtype, torch.float32)
+    a = (cos_d * cos_d + sin_d * sin_d).sqrt()
+    return rotate(unrotate(q.to(dt), cos.to(dt), sin.to(dt)), (cos_d * a).to(dt), (sin_d * a).to(dt))
+
+
 RopeFn = Callable[[Tensor], Tuple[Tensor, Tensor]]        # positions [B, n] -> (cos, sin) [B, n, R]
 
 
@@ -283,9 +293,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     C, L = chunk_len, n_bswa_chunks * chunk_len
     start = state.seen
     if pre_rope:
-        c, s = cos.unsqueeze(1).to(dt), sin.unsqueeze(1).to(dt)
-        a = (cos_d * cos_d + sin_d * sin_d).sqrt()    # (R(d) q).k: a^2 R(d) on the rotary channels
-        q_state = rotate(unrotate(q.to(dt), c, s), (cos_d * a).to(dt), (sin_d * a).to(dt))
+        q_state = state_query(q, cos.unsqueeze(1), sin.unsqueeze(1), cos_d, sin_d)
         if positions is None:
             positions = torch.arange(start, start + T, device=k.device).expand(B, T)
         state.buf_pos = _cat(state.buf_pos, positions.to(k.device).expand(B, T).contiguous(), -1)

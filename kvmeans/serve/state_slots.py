@@ -27,7 +27,7 @@ from torch import Tensor
 
 from kvmeans.ops.budget import as_budget
 from kvmeans.ops.schedule import bswa_begin
-from kvmeans.pretrained.op import ConvertedKVMState, _softcap
+from kvmeans.pretrained.op import ConvertedKVMState, _softcap, _state_read
 
 Slots = Dict[str, Tensor]           # name -> [num_slots, *shape]
 META = ("seen", "covered", "rows")  # the int32 counters of a slot (a fourth entry is spare)
@@ -208,13 +208,10 @@ def decode_batch(slots: Slots, layout: SlotLayout, idx: Tensor, meta: Tensor, q:
                           (rows.to(dev) > 0)[:, None].expand(N, R)))
         key_sum, value_sum, cnt = (torch.cat([p[j] for p in parts], -1 if j == 2 else -2).to(dt) for j in range(3))
         used = torch.cat([p[3] for p in parts], -1)[:, None, :]                        # [N, 1, M + R]
-        cnt = cnt.masked_fill(~used, 0)
-        div = cnt.masked_fill(cnt == 0, 1).unsqueeze(-1)
-        mean_k = (key_sum / div).masked_fill(~used[..., None], 0)
-        mean_v = (value_sum / div).masked_fill(~used[..., None], 0)
-        if state_key_weight is not None:
-            mean_k = mean_k * state_key_weight.view(1, Hkv, 1, -1) + state_key_bias.view(1, Hkv, 1, -1)
-        bias = cnt.log() if log_count_bias else torch.zeros_like(cnt).masked_fill(cnt == 0, float("-inf"))
+        mean_k, mean_v, bias = _state_read((key_sum, value_sum, cnt.masked_fill(~used, 0)), dt, state_key_weight,
+                                           state_key_bias, log_count_bias)
+        # rows a request does not use hold whatever the slot held (vLLM does not clear it; NaN too): zeroed
+        mean_k, mean_v = (t.masked_fill(~used[..., None], 0) for t in (mean_k, mean_v))
         qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1)
         sl = _softcap(torch.matmul(qs.to(dt).reshape(N, Hkv, G, D), mean_k.transpose(-1, -2)) * scaling, softcap)
         sl = (sl + bias.unsqueeze(-2)).masked_fill(~used[:, :, None, :], float("-inf"))

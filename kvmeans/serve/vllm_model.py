@@ -30,7 +30,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from kvmeans.pretrained.convert import _RopeAt
-from kvmeans.pretrained.op import converted_kvm_attention, rotate, unrotate
+from kvmeans.pretrained.op import converted_kvm_attention, state_query
 from kvmeans.serve.state_slots import SlotLayout, decode_batch, load_state, needs_routing, store_state
 from kvmeans.serve.vllm_plugin import conversion_spec
 
@@ -179,10 +179,7 @@ class KVMStateLayer(nn.Module, MambaBase):
             if shared.pre_rope:
                 cos, sin = shared.rope.positions(pos[:, None], dtype=q.dtype)          # [N, 1, R]
                 cos_d, sin_d = shared.rope(spec.distance, q)
-                a = (cos_d * cos_d + sin_d * sin_d).sqrt()
-                dt = torch.promote_types(q.dtype, torch.float32)
-                q_state = rotate(unrotate(q_state.to(dt)[:, :, None], cos[:, None].to(dt), sin[:, None].to(dt)),
-                                 (cos_d * a).to(dt), (sin_d * a).to(dt))[:, :, 0]
+                q_state = state_query(q_state[:, :, None], cos[:, None], sin[:, None], cos_d, sin_d)[:, :, 0]
             res = decode_batch(slots, self.layout, idx, meta[idx], q[rows], k[rows], v[rows], q_state,
                                scaling=self.scaling, softcap=self.softcap, log_count_bias=spec.log_count_bias,
                                gate=None if gate is None else gate[rows], **learned)
