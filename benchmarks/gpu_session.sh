@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One command for a session that has a CUDA GPU. Steps, in priority order, each under its own time limit
 # (the whole run ends inside DEADLINE seconds, default 1800):
-#   tests    the compiled Triton kernels against the torch paths (gpu-marked tests) and the Triton test files on CUDA
+#   tests    the gpu-marked tests first (the compiled Triton kernels against the naive spec and the torch paths,
+#            bf16 included), then the Triton test files compiled on CUDA (8 pytest workers when xdist is there)
 #   triton   bench ops at the paper's shape (B=8, H=32, D=128, bf16), KVM through the Triton kernels, SDPA (flash)
+#   profile  benchmarks/gpu_profile.py at 32K: per arm and mode, wall vs kernel time and launches (what bounds it)
 #   longctx  bench longctx on a random-weight model of Qwen2.5-Coder-1.5B's config (bf16): full vs converted KVM,
 #            peak GPU memory, time to first token, decode ms/token at 8K-128K
 #   torch    bench ops again with KVM through the torch paths
@@ -10,7 +12,7 @@
 # tool's machine, where everything is also packed into results.tgz, since only a few files come back from there).
 #   bash benchmarks/gpu_session.sh                      # all steps, lengths 4K and 32K
 #   LENGTHS="1024 2048 4096 8192 16384 32768" bash benchmarks/gpu_session.sh triton
-#   DEADLINE=400 bash benchmarks/gpu_session.sh tests triton longctx
+#   DEADLINE=400 bash benchmarks/gpu_session.sh tests triton profile longctx
 # Works offline: the machine needs torch + triton (+ pytest, matplotlib, transformers >= 5.18 for longctx; wheels
 # in ./.whl are installed first when present). Qwen's config comes from ./.gpu/qwen2.5-coder-1.5b/config.json
 # (copy it there from `kvmeans models fetch qwen2.5-coder-1.5b`'s folder) or the fetched folder itself.
@@ -42,23 +44,35 @@ limit() { local l; l=$(left); (( l < $1 )) && echo "$l" || echo "$1"; }   # a st
 pack() { [ -n "${OUT:-}" ] && cp "$out"/*.txt "$OUT"/ && tar czf "$OUT/results.tgz.tmp" -C "$out" . \
     && mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; return 0; }
 
-for step in ${*:-tests triton longctx torch}; do
+for step in ${*:-tests triton profile longctx torch}; do
     t=$(left); if (( t < 30 )); then echo "== $step: skipped ($t s left)"; continue; fi
     echo "== $step ($(date -u +%T), $t s left)"
     case "$step" in
     tests)
-        timeout "$(limit 150)" python3 -m pytest -q -p no:cacheprovider -m "not slow" -rfE tests/ops/test_triton.py \
-            tests/ops/test_triton_rows.py tests/ops/test_growth_triton.py 2>&1 | tee "$out/pytest-triton.txt" ;;
+        timeout "$(limit 100)" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/ops/test_triton.py \
+            2>&1 | tee "$out/pytest-gpu.txt"
+        rc=${PIPESTATUS[0]}
+        xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
+        timeout "$(limit 120)" python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" -m "not slow" -rfE \
+            tests/ops/test_triton.py tests/ops/test_triton_rows.py tests/ops/test_growth_triton.py \
+            tests/ops/test_kvm_inputs.py 2>&1 | tee "$out/pytest-triton.txt"
+        rc="$rc ${PIPESTATUS[0]}" ;;
     triton|torch)
-        timeout "$(limit 120)" python3 -m kvmeans bench ops --device cuda --paper-shape --kvm-impl "$step" \
-            --lengths $lengths --out "$out/ops-$step" 2>&1 | tee "$out/bench-ops-$step.txt" ;;
+        timeout "$(limit 150)" python3 -m kvmeans bench ops --device cuda --paper-shape --kvm-impl "$step" \
+            --lengths $lengths --out "$out/ops-$step" 2>&1 | tee "$out/bench-ops-$step.txt"
+        rc=${PIPESTATUS[0]} ;;
+    profile)
+        timeout "$(limit 60)" python3 benchmarks/gpu_profile.py --device cuda --paper-shape --kvm-impl triton \
+            --lengths ${PROFILE_LENGTHS:-32768} --top 10 2>&1 | grep --line-buffered -v '^USDT' | tee "$out/profile.txt"
+        rc=${PIPESTATUS[0]} ;;
     longctx)
         timeout "$(limit 170)" python3 -m kvmeans bench longctx --model "config:$qwen" --device cuda --dtype bfloat16 \
-            --lengths ${LONGCTX_LENGTHS:-8192 32768 131072} --arms full "$kvm" --decode-tokens 16 --timeout 80 \
-            --out "$out/longctx" 2>&1 | tee "$out/bench-longctx.txt" ;;
-    *) echo "unknown step $step (tests | triton | longctx | torch)" >&2; exit 2 ;;
+            --lengths ${LONGCTX_LENGTHS:-8192 32768 131072} --arms full "$kvm" --decode-tokens 16 \
+            --timeout ${LONGCTX_TIMEOUT:-80} --out "$out/longctx" 2>&1 | tee "$out/bench-longctx.txt"
+        rc=${PIPESTATUS[0]} ;;
+    *) echo "unknown step $step (tests | triton | profile | longctx | torch)" >&2; exit 2 ;;
     esac
-    echo "== $step: exit ${PIPESTATUS[0]}"
+    echo "== $step: exit $rc"
     pack
 done
 echo "results in $out"
