@@ -7,8 +7,8 @@ bound; far below 1 = launches / host code are), the number of kernel launches, a
     python benchmarks/gpu_profile.py --device cuda --paper-shape --lengths 32768 --kvm-impl triton
     python benchmarks/gpu_profile.py --device cpu --lengths 2048          # CPU: op self-times instead of kernels
 
-Arguments are ``kvmeans bench ops``'s (``kvmeans.cli.bench_ops.parse_args``); ``--top N`` (default 12) is this
-script's own.
+Arguments are ``kvmeans bench ops``'s (``kvmeans.cli.bench_ops.parse_args``); ``--top N`` (default 12) and
+``--arms a,b`` (default sdpa and both KVM arms) are this script's own.
 """
 from __future__ import annotations
 
@@ -54,10 +54,14 @@ def profiled(a, arm, mode, x, top):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = 12
+    top, arms = 12, ["sdpa", *BUDGETS]
     if "--top" in argv:
         i = argv.index("--top")
         top = int(argv[i + 1])
+        del argv[i:i + 2]
+    if "--arms" in argv:                       # e.g. --arms sdpa,kvm-fixed256
+        i = argv.index("--arms")
+        arms = argv[i + 1].split(",")
         del argv[i:i + 2]
     a = parse_args(argv)
     a.dev = torch.device(a.device)
@@ -67,7 +71,7 @@ def main(argv=None):
     for T in a.lengths:
         x = make_inputs(a, T)
         for mode in a.modes:
-            for arm in ("sdpa", *BUDGETS):
+            for arm in arms:
                 profiled(a, arm, mode, x, top)
         del x
         if a.dev.type == "cuda":

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for a session that has a CUDA GPU. Steps, in priority order, each under its own time limit
 # (the whole run ends inside DEADLINE seconds, default 1800):
-#   tests    the gpu-marked tests first (the compiled Triton kernels against the naive spec and the torch paths,
-#            bf16 included), then the Triton test files compiled on CUDA (8 pytest workers when xdist is there)
+#   tests    the gpu-marked tests (the compiled Triton kernels against the naive spec and the torch paths, bf16
+#            included) and the Triton test files compiled on CUDA (12 pytest workers when xdist is there)
 #   triton   bench ops at the paper's shape (B=8, H=32, D=128, bf16), KVM through the Triton kernels, SDPA (flash)
 #   profile  benchmarks/gpu_profile.py at 32K: per arm and mode, wall vs kernel time and launches (what bounds it)
 #   longctx  bench longctx on a random-weight model of Qwen2.5-Coder-1.5B's config (bf16): full vs converted KVM,
@@ -48,22 +48,21 @@ for step in ${*:-tests triton profile longctx torch}; do
     t=$(left); if (( t < 30 )); then echo "== $step: skipped ($t s left)"; continue; fi
     echo "== $step ($(date -u +%T), $t s left)"
     case "$step" in
-    tests)
-        timeout "$(limit 100)" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/ops/test_triton.py \
-            2>&1 | tee "$out/pytest-gpu.txt"
-        rc=${PIPESTATUS[0]}
-        xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
-        timeout "$(limit 120)" python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" -m "not slow" -rfE \
-            tests/ops/test_triton.py tests/ops/test_triton_rows.py tests/ops/test_growth_triton.py \
-            tests/ops/test_kvm_inputs.py 2>&1 | tee "$out/pytest-triton.txt"
-        rc="$rc ${PIPESTATUS[0]}" ;;
+    tests)   # one run, all cores: each test's verdict printed as it lands, a hung test stopped with its stack
+        xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)
+        python3 -c "import pytest_timeout" 2>/dev/null && xdist+=(--timeout 120)
+        timeout "$(limit 170)" python3 -m pytest -v -p no:cacheprovider -p no:benchmark "${xdist[@]}" \
+            --tb=short -rfE --durations 15 -m "gpu or not slow" tests/ops/test_triton.py tests/ops/test_triton_rows.py \
+            tests/ops/test_growth_triton.py tests/ops/test_kvm_inputs.py 2>&1 | tee "$out/pytest-triton.txt"
+        rc=${PIPESTATUS[0]} ;;
     triton|torch)
         timeout "$(limit 150)" python3 -m kvmeans bench ops --device cuda --paper-shape --kvm-impl "$step" \
             --lengths $lengths --out "$out/ops-$step" 2>&1 | tee "$out/bench-ops-$step.txt"
         rc=${PIPESTATUS[0]} ;;
     profile)
-        timeout "$(limit 60)" python3 benchmarks/gpu_profile.py --device cuda --paper-shape --kvm-impl triton \
-            --lengths ${PROFILE_LENGTHS:-32768} --top 10 2>&1 | grep --line-buffered -v '^USDT' | tee "$out/profile.txt"
+        KVMEANS_TRITON_AUTOTUNE=${PROFILE_AUTOTUNE:-1} timeout "$(limit 60)" python3 benchmarks/gpu_profile.py --device cuda --paper-shape --kvm-impl triton \
+            --lengths ${PROFILE_LENGTHS:-32768} --top 10 \
+            --arms ${PROFILE_ARMS:-sdpa,kvm-fixed256,kvm-sqrt16} --modes ${PROFILE_MODES:-prefill backward decode} 2>&1 | grep --line-buffered -v '^USDT' | tee "$out/profile.txt"
         rc=${PIPESTATUS[0]} ;;
     longctx)
         timeout "$(limit 170)" python3 -m kvmeans bench longctx --model "config:$qwen" --device cuda --dtype bfloat16 \
