@@ -10,7 +10,7 @@ TOLERANCES = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, t
 
 def assert_close(name: str, ref: Tensor, out: Tensor, ratio: float, atol_floor: float = 1e-12) -> None:
     """Fail unless ``|ref - out|_2 <= ratio * |ref|_2 + atol_floor`` (fla-style), naming the tensor."""
-    ref, out = ref.detach().double(), out.detach().double()
+    ref, out = ref.detach().double(), out.detach().to(ref.device).double()     # a CPU reference vs a GPU output
     if ref.shape != out.shape:
         raise AssertionError(f"{name}: shape {list(out.shape)} != reference {list(ref.shape)}")
     if not torch.isfinite(out).all():

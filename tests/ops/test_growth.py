@@ -153,7 +153,7 @@ def inputs_for(case, B=2, seed=0, requires_grad=False):
 
 def rows_in_use(st):
     """``[B, Hkv]`` (a state before its first update under novelty, row_count None, has num_rows everywhere)."""
-    return torch.full(st.keys.shape[:2], st.num_rows) if st.row_count is None else st.row_count
+    return torch.full(st.keys.shape[:2], st.num_rows, device=st.keys.device) if st.row_count is None else st.row_count
 
 
 def assert_same_state(s0, s1, tol=1e-10):

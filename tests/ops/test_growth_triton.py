@@ -132,6 +132,10 @@ def test_ragged_decode_matches_naive_per_row(backend, monkeypatch):
         solos = [call(row(b, 0, L), 0, L, case, backend="chunked")[1] for b, L in enumerate(lengths)]
         ragged = KVMState.stack(solos)
         assert ragged.schedule is not None and ragged.row_count.shape == (len(lengths), case[7])
+        if backend == "auto" and not tri_attn.INTERPRETED:     # auto's one-time self-check first, unpatched
+            from kvmeans import kvm_attention
+            from kvmeans.ops.triton.selfcheck import triton_verified
+            triton_verified(DEV, torch.float32, "exact", kvm_attention)
         reads = []
         real_attend, real_decode = ragged_mod._attend, tri_decode.decode_attention
         monkeypatch.setattr(ragged_mod, "_attend", lambda *a: reads.append(a[-1]) or real_attend(*a))

@@ -147,7 +147,8 @@ def test_nan_token_does_not_reach_earlier_outputs(backend, how, where, monkeypat
     """A NaN at position 13 (C=4, n=2: it is in the window of queries 13-15, then in the state): outputs before it
     equal those of clean inputs, outputs that see it are NaN. ``split``: a prefill, then multi-token steps."""
     import kvmeans.ops.chunk as chunk_mod
-    x = make_inputs(B=2, H=2, Hkv=1, T=26, D=16, dtype=torch.float32, requires_grad="grad" in how)
+    x = make_inputs(B=2, H=2, Hkv=1, T=26, D=16, dtype=torch.float32)
+    x = {k: v.to(DEV).requires_grad_("grad" in how) for k, v in x.items()}
     tokens = [x.pop(k) for k in ("q", "k", "v", "gate")]
     bad = [t.detach().clone().requires_grad_(t.requires_grad) for t in tokens]
     with torch.no_grad():
