@@ -408,6 +408,8 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
     """One (arm, length) in this process (settings ``s``: see :func:`_settings`); the result's fields are
     described in docs/benchmarks.md. Raises what the model raises."""
     import torch
+
+    from kvmeans.utils.heap import heap_setting
     arm = s["arm"]
     if s.get("threads"):
         torch.set_num_threads(s["threads"])
@@ -479,6 +481,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         "ttft_s": ttft, "prefill_tok_s": B * T / ttft,
         "decode_step_s": steps, "decode_ms_per_tok": 1000 * step, "decode_tok_s": B / step,
         "cache_bytes": cache_bytes, "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_end,
+        "heap": heap_setting(),
     }
 
 
@@ -489,6 +492,7 @@ def _measure_generate(s, model, ids, rss_model, rss_loaded, load_s) -> Dict[str,
     from transformers.generation.streamers import BaseStreamer
 
     from kvmeans.models.hf_compat import cache_from
+    from kvmeans.utils.heap import heap_setting
     stamps: List[float] = []
 
     class Stamps(BaseStreamer):                 # put() gets the prompt first, then each new token
@@ -514,7 +518,7 @@ def _measure_generate(s, model, ids, rss_model, rss_loaded, load_s) -> Dict[str,
             else peak.peak - rss_loaded, "gpu_peak_above_model_bytes": None,
             "ttft_s": stamps[1] - t0, "prefill_tok_s": ids.shape[1] / (stamps[1] - t0), "decode_step_s": steps,
             "decode_ms_per_tok": 1000 * step, "decode_tok_s": 1 / step, "cache_bytes": cache_bytes,
-            "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_bytes}
+            "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_bytes, "heap": heap_setting()}
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -593,7 +597,7 @@ def _row(arm: ArmSpec, length: int, r: Dict[str, Any]) -> Dict[str, Any]:
             "decode_ms_per_tok": r.get("decode_ms_per_tok"), "decode_tok_s": r.get("decode_tok_s"),
             "cache_bytes": r.get("cache_bytes"), "cache_mb": _mb(r.get("cache_bytes")),
             **{f"cache_{k}_bytes": by_kind.get(k) for k in ("sinks", "rows", "reserve", "window", "recording", "kv")},
-            "load_s": r.get("load_s"), "wall_s": r.get("wall_s"), "error": r.get("error")}
+            "heap": r.get("heap"), "load_s": r.get("load_s"), "wall_s": r.get("wall_s"), "error": r.get("error")}
 
 
 def _fmt(v, spec: str) -> str:

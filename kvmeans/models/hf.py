@@ -64,6 +64,7 @@ from kvmeans.models.reference_checkpoint import (
 )
 from kvmeans.models.reference_layout import REFERENCE_MODEL_TYPE
 from kvmeans.models.transformer import KVMLanguageModel
+from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
 
 __all__ = ["KVMConfig", "KVMForCausalLM", "KVMReferenceConfig", "KVMReferenceForCausalLM"]
@@ -178,6 +179,8 @@ class KVMForCausalLM(PreTrainedModel, GenerationMixin):
         """The final hidden states ``[B, keep or T, d]`` of ``input_ids [B, T]`` run ``segment`` tokens at a time
         through every layer, carrying ``cache`` (the same as one call; memory bounded by the segment)."""
         T, out = input_ids.shape[1], []
+        if input_ids.device.type == "cpu":
+            bound_heap()        # freed segment activations go back to the OS: flat peak (kvmeans.utils.heap)
         for s in range(0, T, segment):
             e = min(T, s + segment)
             want = e - s if keep == 0 else max(0, min(e - s, keep - (T - e)))

@@ -24,6 +24,7 @@ from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
 from kvmeans.pretrained.op import ROPE_MODES
+from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
@@ -281,6 +282,8 @@ def _segmented(model, inner, named: dict, x: torch.Tensor, segment: int, keep: i
     if cache is None:
         cache = DynamicCache(config=model.config)
     T, mask, positions = x.shape[1], named.get("attention_mask"), named.get("position_ids")
+    if x.device.type == "cpu":
+        bound_heap()        # freed segment activations go back to the OS: flat peak (kvmeans.utils.heap)
     past = cache.get_seq_length()
     logits, out, filled = None, None, 0      # logits written into one tensor: a list then cat would hold two copies
     for s in range(0, T, segment):
