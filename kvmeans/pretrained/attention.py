@@ -49,11 +49,8 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
             rope["positions"] = module.__dict__.get("_kvm_positions")
     out = state.attend(                 # each row by its real tokens (mask: kvmeans.pretrained.convert._set_inputs)
         converted_kvm_attention, module.__dict__.get("_kvm_mask"), query, key, value,
-        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
-        budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
-        sink_len=spec.sink_len, softcap=softcap, log_count_bias=spec.log_count_bias, novel_rows=spec.novel_rows,
-        exact_rows=spec.exact_rows, layer_novelty=_layer_novelty(module), **rope,
-        **learned_readout(module, hidden_states))
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap, **spec.op_kwargs(),
+        layer_novelty=_layer_novelty(module), **rope, **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -108,6 +108,13 @@ class KVMSpec:
     def state_budget(self):
         return as_budget(self.budget)
 
+    def op_kwargs(self) -> dict:
+        """The routing and read settings :func:`kvmeans.pretrained.op.converted_kvm_attention` takes from the spec
+        (the transformers layer and the vLLM layer both call it with these)."""
+        return dict(budget=self.state_budget, chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks,
+                    sink_len=self.sink_len, log_count_bias=self.log_count_bias, novel_rows=self.novel_rows,
+                    exact_rows=self.exact_rows)
+
     @property
     def distance(self) -> int:
         """Read distance of ``pre_rope_fixed``; ``split`` is the same read at distance 0."""

@@ -201,10 +201,8 @@ class KVMStateLayer(nn.Module, MambaBase):
                 rope["positions"] = pos
         res = converted_kvm_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], st, scaling=self.scaling,
-            budget=spec.state_budget, chunk_len=spec.chunk_len, n_bswa_chunks=spec.n_bswa_chunks,
-            sink_len=spec.sink_len, softcap=self.softcap, log_count_bias=spec.log_count_bias,
-            novel_rows=spec.novel_rows, exact_rows=spec.exact_rows,
-            merge_gate=None if gate is None else gate.transpose(0, 1)[None], **rope, **learned)
+            softcap=self.softcap, **spec.op_kwargs(), merge_gate=None if gate is None else gate.transpose(0, 1)[None],
+            **rope, **learned)
         store_state(slots, slot, st, self.layout)
         return res[0].transpose(0, 1).reshape(T, -1)
 
