@@ -18,7 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmeans bench quality", description="Perplexity of full attention, "
                                 "StreamingLLM, training-free KVM, a distilled KVM and kvpress' presses at equal kept "
                                 "keys, on every (model, corpus, length) cell; tuning and held-out cells marked")
-    p.add_argument("--models", nargs="+", required=True, metavar="DIR", help="transformers model folders")
+    p.add_argument("--models", nargs="+", metavar="DIR", help="transformers model folders (required unless "
+                   "--rows-from)")
     p.add_argument("--corpora", nargs="+", default=["shakespeare", "wikipedia", "django", "sotu"],
                    help="kvmeans.eval.corpora names (default: shakespeare wikipedia django sotu)")
     p.add_argument("--lengths", nargs="+", type=int, default=[2048, 8192])
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(NAME: the model folder's name)")
     p.add_argument("--kvpress-results", nargs="+", default=[], metavar="FILE",
                    help="kvpress.json of benchmarks/kvpress/run_kvpress.py --windows OUT/windows.jsonl, merged")
+    p.add_argument("--rows-from", metavar="QUALITY_JSON", help="merge --kvpress-results into the rows of an earlier "
+                   "run's quality.json (same windows) and write them to --out; runs no model")
     p.add_argument("--tune-model", default="smollm2-135m", help="the model settings were chosen on")
     p.add_argument("--tune-corpus", default="shakespeare", help="the corpus settings were chosen on")
     p.add_argument("--out", required=True)
@@ -41,8 +44,52 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_kvpress(paths) -> list:
+    rows = []
+    for path in paths:
+        try:
+            rows.extend(json.loads(Path(path).read_text(encoding="utf-8"))["rows"])
+        except (OSError, ValueError, KeyError) as err:
+            raise UsageError(f"--kvpress-results {path}: cannot read its rows ({err})") from None
+    return rows
+
+
+def _merge_into(a) -> int:
+    """``--rows-from``: an earlier run's rows (its own kvpress rows of the presses given replaced) + the new ones."""
+    if not a.kvpress_results:
+        raise UsageError("--rows-from merges --kvpress-results into an earlier run: give --kvpress-results too")
+    try:
+        before = json.loads(Path(a.rows_from).read_text(encoding="utf-8"))
+        settings, rows = before["settings"], before["rows"]
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"--rows-from {a.rows_from}: not a quality.json of kvmeans bench quality ({err})") from None
+    check_out_dir("--out", a.out)
+    kvpress = _read_kvpress(a.kvpress_results)
+    new = {(k["cell"], f"kvpress:{k['press']}") for k in kvpress}
+    rows = [r for r in rows if (r["cell"], r["arm"]) not in new]
+    cells = {r["cell"] for r in rows if r["arm"] == "full"}
+    missing = sorted({k["cell"] for k in kvpress} - cells)
+    if missing:
+        raise UsageError(f"--kvpress-results: cells {missing} are not in {a.rows_from}; run kvpress on that run's "
+                         "windows.jsonl")
+    merged = settings.setdefault("kvpress_merged", [])
+    merged.extend(str(p) for p in a.kvpress_results)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = merge_kvpress(rows, kvpress)
+    write_outputs(out, settings, rows)
+    print(format_tables(rows))
+    print(f"results: {out / 'quality.json'}, quality.csv")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parser().parse_args(argv)
+    if a.rows_from:
+        return _merge_into(a)
+    if not a.models:
+        raise UsageError("--models: give the transformers model folders to score (or --rows-from to merge kvpress "
+                         "results into an earlier run)")
     windows = a.windows * len(a.lengths) if len(a.windows) == 1 else a.windows
     if len(windows) != len(a.lengths):
         raise UsageError(f"--windows: give one number or one per --lengths ({len(a.lengths)}), got {a.windows}")
@@ -65,12 +112,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         distilled[name] = folder
     kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm)
     check_out_dir("--out", a.out)
-    kvpress = []
-    for path in a.kvpress_results:
-        try:
-            kvpress.extend(json.loads(Path(path).read_text(encoding="utf-8"))["rows"])
-        except (OSError, ValueError, KeyError) as err:
-            raise UsageError(f"--kvpress-results {path}: cannot read its rows ({err})") from None
+    kvpress = _read_kvpress(a.kvpress_results)
     import torch
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -37,6 +37,25 @@ def test_protocol_end_to_end(llama_dir, tmp_path, capsys):
     press = merged[-1]
     assert press["arm"] == "kvpress:knorm" and press["x_full_continuation"] == pytest.approx(
         10.0 / full[128]["ppl_continuation"])
+    # kvpress run afterwards on windows.jsonl, merged into this run without running a model (twice: replaced)
+    kv = tmp_path / "kvpress.json"
+    kv.write_text(json.dumps({"rows": [{"cell": rows[0]["cell"], "press": "knorm", "ppl_continuation": 10.0,
+                                        "kept_keys": 32, "length": 128, "model": "llama", "corpus": "shakespeare",
+                                        "role": "tuning", "windows": 2, "seconds": 1.0}]}))
+    again = tmp_path / "merged"
+    for source in (out, again):       # the second merge replaces the rows of the first
+        assert main(["--rows-from", str(source / "quality.json"), "--kvpress-results", str(kv), "--out",
+                     str(again)]) == 0
+        got = json.loads((again / "quality.json").read_text())
+        assert got["rows"][:len(rows)] == rows and [r["arm"] for r in got["rows"][len(rows):]] == ["kvpress:knorm"]
+    assert got["settings"]["kvpress_merged"] == [str(kv), str(kv)] and "kvpress:knorm" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--rows-from merges --kvpress-results"):
+        main(["--rows-from", str(out / "quality.json"), "--out", str(again)])
+    kv.write_text(json.dumps({"rows": [{"cell": "other/cell/128", "press": "knorm", "ppl_continuation": 1.0}]}))
+    with pytest.raises(UsageError, match=r"cells \['other/cell/128'\] are not in"):
+        main(["--rows-from", str(out / "quality.json"), "--kvpress-results", str(kv), "--out", str(again)])
+    with pytest.raises(UsageError, match="--rows-from .*not a quality.json"):
+        main(["--rows-from", str(kv), "--kvpress-results", str(kv), "--out", str(again)])
 
 
 def test_held_out_cells_and_errors(llama_dir, tmp_path):
@@ -47,6 +66,8 @@ def test_held_out_cells_and_errors(llama_dir, tmp_path):
               str(tmp_path)])
     with pytest.raises(UsageError, match="--keep"):
         main(["--models", str(llama_dir), "--keep", "1.5", "--out", str(tmp_path)])
+    with pytest.raises(UsageError, match="--models: give the transformers model folders"):
+        main(["--out", str(tmp_path)])
     out = tmp_path / "h"
     assert main(["--models", str(llama_dir), "--corpora", "shakespeare", "--lengths", "128", "--windows", "1",
                  "--keep", "0.25", "--kvm", "none", "--out", str(out)]) == 0
