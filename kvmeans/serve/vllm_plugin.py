@@ -86,6 +86,27 @@ def _config_class():
     return KVMServeConfig
 
 
+NATIVE_TYPES = ("kvmeans", "rwkv7backbone")     # KVMForCausalLM's config.json and the authors' checkpoints
+
+
+def refuse_native(model) -> None:
+    """A native KVM model folder (``KVMForCausalLM``: ``model_type`` kvmeans, or the authors' rwkv7backbone) is
+    refused with the reason and what serves it instead: the plugin serves converted folders only so far."""
+    import json
+    from pathlib import Path
+
+    path = Path(str(model)) / "config.json"
+    try:
+        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return                                  # not a local folder with a readable config: vLLM decides
+    if model_type in NATIVE_TYPES:
+        raise ValueError(f"kvmeans: {model} is a native KVM model (model_type {model_type!r}, KVMForCausalLM); the "
+                         "vLLM plugin serves converted transformers folders (kvmeans.convert_hf + save_pretrained, "
+                         "Llama / Mistral / Qwen2 / Qwen3) only so far. Generate with transformers instead "
+                         "(`kvmeans generate --model DIR --prompt ...`, or KVMForCausalLM.from_pretrained(DIR).generate)")
+
+
 def _patch_get_config() -> None:
     """Make vLLM read a converted folder's architecture as ours (once per process)."""
     import vllm.config.model as model_module
@@ -96,6 +117,7 @@ def _patch_get_config() -> None:
 
     @functools.wraps(original)
     def get_config(*args, **kwargs):
+        refuse_native(args[0] if args else kwargs.get("model"))
         config = original(*args, **kwargs)
         archs = list(getattr(config, "architectures", None) or [])
         if getattr(config, "kvm_conversion", None) and archs and archs[0] in SERVED:

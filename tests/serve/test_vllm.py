@@ -255,6 +255,16 @@ def test_partial_conversion_is_refused(tmp_path):
     gc.collect()
 
 
+def test_native_kvm_folder_is_refused(tmp_path):
+    """A saved KVMForCausalLM folder: refused before vLLM reads it, naming what serves it."""
+    from kvmeans import KVMConfig, KVMForCausalLM
+    KVMForCausalLM(KVMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4)).save_pretrained(
+        tmp_path / "native")
+    with pytest.raises(Exception, match="native KVM model .*kvmeans generate"):
+        _engine(tmp_path / "native", skip_tokenizer_init=True)
+    gc.collect()
+
+
 # ---- the server ------------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
