@@ -439,7 +439,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         if s.get("generate"):
-            return _measure_generate(s, model, ids, rss_model, rss_loaded, load_s)
+            return _measure_generate(s, model, ids, rss_model, rss_loaded, anon_loaded, load_s)
         run = _runner(model, arm)
         with PeakRSS() as pre:
             t0 = time.perf_counter()
@@ -485,7 +485,7 @@ def measure(s: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def _measure_generate(s, model, ids, rss_model, rss_loaded, load_s) -> Dict[str, Any]:
+def _measure_generate(s, model, ids, rss_model, rss_loaded, anon_loaded, load_s) -> Dict[str, Any]:
     """``model.generate`` on the prompt, greedy, ``decode_tokens + 1`` new tokens, nothing set for long prompts:
     time to the first token and per token from a streamer's arrival times, peak RSS over the whole call."""
     import torch
@@ -515,7 +515,9 @@ def _measure_generate(s, model, ids, rss_model, rss_loaded, load_s) -> Dict[str,
             "dtype": str(next(model.parameters()).dtype), "random_weights": s["random"], "load_s": load_s,
             "rss_model_bytes": rss_model, "rss_loaded_bytes": rss_loaded, "peak_prefill_bytes": peak.peak,
             "peak_decode_bytes": None, "peak_above_model_bytes": None if peak.peak is None or rss_loaded is None
-            else peak.peak - rss_loaded, "gpu_peak_above_model_bytes": None,
+            else peak.peak - rss_loaded, "gpu_peak_above_model_bytes": None, "anon_loaded_bytes": anon_loaded,
+            "peak_anon_above_model_bytes": None if peak.anon is None or anon_loaded is None
+            else peak.anon - anon_loaded,
             "ttft_s": stamps[1] - t0, "prefill_tok_s": ids.shape[1] / (stamps[1] - t0), "decode_step_s": steps,
             "decode_ms_per_tok": 1000 * step, "decode_tok_s": 1 / step, "cache_bytes": cache_bytes,
             "cache_bytes_by_kind": by_kind, "cache_bytes_end": cache_bytes, "heap": heap_setting()}

@@ -104,7 +104,8 @@ def refuse_native(model) -> None:
         raise ValueError(f"kvmeans: {model} is a native KVM model (model_type {model_type!r}, KVMForCausalLM); the "
                          "vLLM plugin serves converted transformers folders (kvmeans.convert_hf + save_pretrained, "
                          "Llama / Mistral / Qwen2 / Qwen3) only so far. Generate with transformers instead "
-                         "(`kvmeans generate --model DIR --prompt ...`, or KVMForCausalLM.from_pretrained(DIR).generate)")
+                         "(`kvmeans generate --model DIR --prompt ...`, or "
+                         "KVMForCausalLM.from_pretrained(DIR).generate)")
 
 
 def _patch_get_config() -> None:

@@ -4,6 +4,7 @@ status, peak RSS that sees an allocation, random weights from a config, and one-
 import csv
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,8 @@ def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path):
     assert {r["via"] for r in runs.values()} == {"generate"} and all(r["status"] == "ok" for r in runs.values())
     assert runs[KVM]["cache_bytes"] < runs["full"]["cache_bytes"] and runs[KVM]["cache_bytes_by_kind"]["kv"] == 0
     assert len(runs["full"]["decode_step_s"]) == 3 and runs["full"]["ttft_s"] > 0
+    if Path("/proc/self/status").exists():          # anonymous memory's peak, as in the forward mode
+        assert all(r["peak_anon_above_model_bytes"] is not None and r["anon_loaded_bytes"] > 0 for r in runs.values())
     assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--generate", "--batch", "2"]) == 2
 
 
