@@ -24,7 +24,7 @@ __all__ = ["DEFAULT_THRESHOLD", "ENV", "bound_heap", "heap_setting"]
 
 DEFAULT_THRESHOLD = 1 << 20
 ENV = "KVMEANS_MMAP_THRESHOLD"
-M_MMAP_THRESHOLD = -3          # glibc's malloc.h
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3      # glibc's malloc.h
 _applied: Optional[str] = None  # what this process did, once decided (see heap_setting)
 
 
@@ -70,6 +70,12 @@ def bound_heap() -> str:
         elif lib.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(threshold)) != 1:
             _applied = f"mallopt refused {threshold}"
         else:
+            # the dynamic threshold also raised the trim threshold (to twice its own, up to 64 MiB), which keeps
+            # that much free memory at the heap's top resident: back to glibc's rule at the fixed threshold, and
+            # what loading and warm-up left free returned now
+            lib.mallopt(ctypes.c_int(M_TRIM_THRESHOLD), ctypes.c_int(2 * threshold))
+            if hasattr(lib, "malloc_trim"):
+                lib.malloc_trim(ctypes.c_size_t(0))
             _applied = f"mmap_threshold={threshold}"
     return _applied
 
