@@ -68,7 +68,7 @@ def test_applied_once_with_the_env_value(fresh, monkeypatch):
     assert heap.heap_setting() is None
     assert heap.bound_heap() == "mmap_threshold=4194304"
     assert heap.bound_heap() == "mmap_threshold=4194304" == heap.heap_setting()
-    assert fresh.calls == [(heap.M_MMAP_THRESHOLD, 4194304)]
+    assert fresh.calls == [(heap.M_MMAP_THRESHOLD, 4194304), (heap.M_TRIM_THRESHOLD, 8388608)]
 
 
 def test_off_user_setting_refusal_and_other_libcs(fresh, monkeypatch):
@@ -81,7 +81,7 @@ def test_off_user_setting_refusal_and_other_libcs(fresh, monkeypatch):
     monkeypatch.setattr(heap, "_applied", None)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     fresh.answer = 0
-    assert heap.bound_heap() == "mallopt refused 1048576"
+    assert heap.bound_heap() == "mallopt refused 1048576" and fresh.calls == [(heap.M_MMAP_THRESHOLD, 1 << 20)]
     monkeypatch.setattr(heap, "_applied", None)
     monkeypatch.setattr(heap, "_libc", lambda: None)
     assert heap.bound_heap() == "not glibc"
@@ -104,4 +104,4 @@ def test_segmented_cpu_prefill_sets_it_and_a_short_call_does_not(fresh):
     assert heap.heap_setting() is None and not fresh.calls
     model(ids(60))
     assert heap.heap_setting() == "mmap_threshold=1048576"
-    assert fresh.calls == [(heap.M_MMAP_THRESHOLD, 1 << 20)]
+    assert fresh.calls == [(heap.M_MMAP_THRESHOLD, 1 << 20), (heap.M_TRIM_THRESHOLD, 2 << 20)]
