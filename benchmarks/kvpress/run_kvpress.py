@@ -17,8 +17,9 @@ case-insensitively). Writes ``kvpress.json`` (settings, versions, rows, per-samp
 
 ``windows.jsonl`` (from ``kvmeans bench quality``): per window its ``ids``, ``context_len`` and ``keys``. Each
 press compresses the prefilled context to ``keys`` keys (ratio ``1 - keys / context_len``), then the rest of the
-window is scored teacher-forced over that cache, appended uncompressed: the continuation perplexity, one row
-per (press, cell), written as above.
+window is scored teacher-forced over that cache at its own positions, appended uncompressed: the continuation
+perplexity, one row per (press, cell), written as above. ``none`` (no press) checks the harness: it should give
+the run's full-attention continuation perplexity.
 """
 from __future__ import annotations
 
@@ -109,7 +110,10 @@ def continuation_nll(model, press, record) -> tuple:
         with press(model) if press is not None else contextlib.nullcontext():
             last = model(input_ids=ids[:, :n], past_key_values=cache, logits_to_keep=1).logits[:, -1:]
         kept = cache.get_seq_length()
-        rest = model(input_ids=ids[:, n:-1], past_key_values=cache).logits
+        # the tokens' own positions, as kvpress' pipeline passes them for a question: after compression the cache
+        # holds `kept` keys, and positions inferred from its length would put the continuation at `kept`
+        positions = torch.arange(n, ids.shape[1] - 1, device=model.device).unsqueeze(0)
+        rest = model(input_ids=ids[:, n:-1], past_key_values=cache, position_ids=positions).logits
     logits = torch.cat((last, rest), 1).float()
     nll = F.cross_entropy(logits[0], ids[0, n:], reduction="sum")
     return float(nll), ids.shape[1] - n, kept
@@ -240,7 +244,7 @@ def _main_windows(a) -> int:
     import importlib.metadata as md
     settings = {**vars(a), "versions": {n: md.version(n) for n in ("kvpress", "torch", "transformers")},
                 "loadavg": open("/proc/loadavg").read().strip()}
-    run_windows(model, records, [n for n in a.presses if n != "none"], Path(a.out), settings)
+    run_windows(model, records, list(a.presses), Path(a.out), settings)    # "none": the harness against full
     return 0
 
 
