@@ -34,17 +34,12 @@ def profiled(a, arm, mode, x, top):
         if a.dev.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    ev = prof.key_averages()
-    if a.dev.type == "cuda":
-        kernels = [e for e in ev if getattr(e, "self_device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
-        busy = sum(e.self_device_time_total for e in kernels) / 1e6
-        launches = sum(e.count for e in kernels)
-        key = "self_device_time_total"
-    else:
-        kernels = [e for e in ev if e.self_cpu_time_total > 0]
-        busy = sum(e.self_cpu_time_total for e in kernels) / 1e6
-        launches = sum(e.count for e in kernels)
-        key = "self_cpu_time_total"
+    cuda = a.dev.type == "cuda"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = [e for e in prof.key_averages()
+               if getattr(e, key, 0) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    busy = sum(getattr(e, key) for e in kernels) / 1e6
+    launches = sum(e.count for e in kernels)
     print(f"\n== T={x.q.shape[2]} {arm} {mode}: wall {wall * 1e3:.2f} ms, kernels {busy * 1e3:.2f} ms "
           f"(busy {busy / wall:.2f}), {launches} launches ({launches / max(wall, 1e-9) / 1e3:.1f} per ms)",
           flush=True)

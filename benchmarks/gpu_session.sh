@@ -49,9 +49,9 @@ for step in ${*:-tests triton profile longctx torch}; do
     echo "== $step ($(date -u +%T), $t s left)"
     case "$step" in
     tests)   # one run, all cores: each test's verdict printed as it lands, a hung test stopped with its stack
-        xdist=(); python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)
-        python3 -c "import pytest_timeout" 2>/dev/null && xdist+=(--timeout 120)
-        timeout "$(limit 240)" python3 -m pytest -v -p no:cacheprovider -p no:benchmark "${xdist[@]}" \
+        opts=(); python3 -c "import xdist" 2>/dev/null && opts=(-n 12)
+        python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 120)
+        timeout "$(limit 240)" python3 -m pytest -v -p no:cacheprovider -p no:benchmark "${opts[@]}" \
             --tb=short -rfE --durations 15 -m "gpu or not slow" tests/ops/test_triton.py tests/ops/test_triton_rows.py \
             tests/ops/test_growth_triton.py tests/ops/test_kvm_inputs.py 2>&1 | tee "$out/pytest-triton.txt"
         rc=${PIPESTATUS[0]} ;;

@@ -5,9 +5,10 @@ segment. glibc serves blocks of 128 KiB and more with ``mmap`` at first, but rai
 block is freed (up to 32 MiB), after which they come from the heap, and the heap fragments: on a converted
 SmolLM2 the peak above the model grew 1.3-1.65x from 2K to 131K tokens while the live tensors stayed the same
 size (docs/pretrained.md). A fixed threshold of 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which also turns off the
-adjustment) sends the large blocks back to the OS on free: the peak then measured flat (1.06x at 32K) at a prefill
-cost within the machine's noise. It is a process-wide setting, applied once, and only where it matters: the first
-time a converted or native KVM model prefills in segments on the CPU.
+adjustment; the trim threshold goes back to twice it) sends the large blocks back to the OS on free: the peak then
+measured within 1.15x of its 2K value up to 131K tokens (benchmarks/results/longctx-heap-cpu) at a prefill cost
+within the machine's noise. It is a process-wide setting, applied once, and only where it matters: the first time
+a converted or native KVM model prefills in segments on the CPU.
 
 ``KVMEANS_MMAP_THRESHOLD``: bytes (``0``: leave malloc alone). glibc's own ``MALLOC_MMAP_THRESHOLD_``, when set,
 wins: kvmeans then changes nothing. Other C libraries (musl, macOS) are left alone.
