@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvmeans.ops.budget import is_data_dependent
-from kvmeans.ops.chunk import attend, flash, plan, route
+from kvmeans.ops.chunk import attend, flash, lanes, plan, route
 from kvmeans.ops.chunk.prefill import prefill_no_grad
 from kvmeans.ops.chunk.reconstruct import GroupPlan, reconstruct_attention
 from kvmeans.ops.masking import finite_tokens, poison, window_poison
@@ -66,9 +66,13 @@ def chunk_kvm_attention(q, k, v, gate, state: KVMState, *, budget, state_norm_we
     ln_params = [t for t in (state_norm_weight, state_norm_bias, state_temp, bswa_temp) if t is not None]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kk, vv, gg, *state.rows(), *ln_params))
     if not grad and not is_data_dependent(budget):     # (novelty growth takes the path below, with or without grad)
-        return prefill_no_grad(q, kk, vv, gg, state, budget=budget, ln=ln, state_temp=state_temp,
-                               bswa_temp=bswa_temp, scale=scale, group_bytes=group_bytes,
-                               gates=(gate_keys, gate_values, gate_appends), attn=attn, mma_dtype=mma_dtype)
+        args = dict(budget=budget, ln=ln, state_temp=state_temp, bswa_temp=bswa_temp, scale=scale,
+                    group_bytes=group_bytes, gates=(gate_keys, gate_values, gate_appends), attn=attn,
+                    mma_dtype=mma_dtype)
+        split = lanes.lane_split(q, kk, state, attn)
+        if split is not None:                           # CPU, several threads: one part of the heads per thread
+            return lanes.run_lanes(prefill_no_grad, split, q, kk, vv, gg, state, **args)
+        return prefill_no_grad(q, kk, vv, gg, state, **args)
     # tokens entering the state in this call: [cov0, cov1), a contiguous range
     cov0, cov1 = state.coverage, max(state.coverage, coverage_after(t1, C, n))
     enter = slice(cov0 - w0, cov1 - w0)
