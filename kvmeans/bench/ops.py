@@ -4,7 +4,8 @@
 Shapes: ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``gate [B, Hkv, T]`` (``1 + elu(randn)``),
 ``dy [B, H, T, D]``; the three arms see the same tensors in the same run.
 
-Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed256, kvm-sqrt16 in turn):
+Modes (times in ms, median over ``--repeats``; each repeat runs sdpa, kvm-fixed256, kvm-sqrt16 in turn, at each of
+``--threads`` torch thread counts in turn, so the counts are compared under the same load):
   prefill:  forward of T tokens under ``torch.no_grad()`` (KVM with ``return_state=False``).
   backward: ``(y * dy).sum().backward()`` only; q, k, v (and gate for KVM) require grad. The forward
             with grad is timed separately (CSV ``fwd_grad_ms``).
@@ -55,8 +56,9 @@ from kvmeans.ops.schedule import rows_after
 
 CPU_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 CUDA_LENGTHS = CPU_LENGTHS + [65536]
-COLUMNS = ["T", "mode", "arm", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
-           "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "rows", "state_bytes", "state_bytes_used",
+COLUMNS = ["T", "mode", "arm", "threads", "time_ms", "time_min_ms", "time_max_ms", "repeats", "fwd_grad_ms",
+           "step_median_ms", "step_max_ms", "speedup_vs_sdpa", "thread_speedup", "rows", "state_bytes",
+           "state_bytes_used",
            "state_bytes_decode", "kv_cache_bytes", "status", "device", "dtype", "batch", "heads", "kv_heads",
            "head_dim", "chunk_len", "n_bswa_chunks", "sink_len", "rope_dim", "decode_steps", "kvm_impl", "kvm_backward",
            "numerics",
@@ -92,9 +94,11 @@ def run(a) -> OpsResult:
     print(f"# shape B={a.batch} H={a.heads} Hkv={a.kv_heads} D={a.head_dim} {a.dtype} C={a.chunk_len} "
           f"n={a.n_bswa_chunks} sink={a.sink_len} rope_dim={a.rope_dim} kvm_impl={a.kvm_impl} "
           f"kvm_backward={a.kvm_backward} numerics={a.numerics}; repeats={a.repeats} (median), "
-          f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}", flush=True)
+          f"decode_steps={a.decode_steps}; modes={' '.join(a.modes)}; threads={' '.join(map(str, a.threads))}",
+          flush=True)
+    threads0 = torch.get_num_threads()
     rates = [matmul_rate(a.dev, DTYPES[a.dtype])]       # the FLOP bound's rate, measured again at the end
-    res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm) -> {"time": [...], ...} or {"status": "oom"}
+    res: Dict[tuple, Dict[str, list]] = {}       # (T, mode, arm, threads) -> {"time": [...], ...} or {"status": "oom"}
     mem: Dict[tuple, Dict[str, int]] = {}        # (T, arm) -> rows / bytes
     warmed, start = set(), time.perf_counter()
     for T in a.lengths:
@@ -103,39 +107,50 @@ def run(a) -> OpsResult:
         for mode in a.modes:
             ctx, live = {}, []
             for arm in arms:
-                res[T, mode, arm] = {}
+                for th in a.threads:
+                    res[T, mode, arm, th] = {}
                 try:
                     if mode == "decode":
                         ctx[arm] = prepare_decode(a, arm, x)
                         if arm != "sdpa":
                             mem[T, arm] = _state_memory(a, arm, T, ctx[arm])
-                    key = (arm, mode) if a.dev.type == "cpu" else (arm, mode, T)
-                    if key not in warmed:
-                        MEASURE[mode](a, arm, x, ctx.get(arm))
-                        warmed.add(key)
+                    for th in a.threads:
+                        key = (arm, mode, th) if a.dev.type == "cpu" else (arm, mode, th, T)
+                        if key not in warmed:
+                            torch.set_num_threads(th)
+                            MEASURE[mode](a, arm, x, ctx.get(arm))
+                            warmed.add(key)
                     live.append(arm)
                 except (RuntimeError, MemoryError) as e:
                     if not is_oom(e):
                         raise
-                    res[T, mode, arm]["status"] = "oom"
+                    for th in a.threads:
+                        res[T, mode, arm, th]["status"] = "oom"
                     print(f"[ops] T={T} {mode} {arm}: out of memory, skipped", file=sys.stderr)
             for r in range(a.repeats):
-                for arm in list(live):
-                    try:
-                        m = MEASURE[mode](a, arm, x, ctx.get(arm))
-                    except (RuntimeError, MemoryError) as e:
-                        if not is_oom(e):
-                            raise
-                        live.remove(arm)
-                        res[T, mode, arm]["status"] = "oom"
-                        continue
-                    for name, val in m.items():
-                        res[T, mode, arm].setdefault(name, []).append(val)
-                    print(f"[ops] T={T} {mode} {arm} rep {r + 1}/{a.repeats}: {m['time'] * 1e3:.3f} ms "
-                          f"({time.perf_counter() - start:.0f} s elapsed)", file=sys.stderr, flush=True)
+                for th in a.threads:
+                    torch.set_num_threads(th)
+                    for arm in list(live):
+                        try:
+                            m = MEASURE[mode](a, arm, x, ctx.get(arm))
+                        except (RuntimeError, MemoryError) as e:
+                            if not is_oom(e):
+                                raise
+                            live.remove(arm)
+                            for t in a.threads:
+                                res[T, mode, arm, t]["status"] = "oom"
+                            continue
+                        for name, val in m.items():
+                            res[T, mode, arm, th].setdefault(name, []).append(val)
+                        print(f"[ops] T={T} {mode} {arm} threads={th} rep {r + 1}/{a.repeats}: "
+                              f"{m['time'] * 1e3:.3f} ms ({time.perf_counter() - start:.0f} s elapsed)",
+                              file=sys.stderr, flush=True)
+            torch.set_num_threads(threads0)
             if mode == "decode":                # the read bound of each arm's bytes per token, measured now
                 for arm in live:
-                    res[T, mode, arm]["read_rate"] = [read_rate(a.dev, _decode_bytes(a, arm, T))]
+                    rate = [read_rate(a.dev, _decode_bytes(a, arm, T))]
+                    for th in a.threads:
+                        res[T, mode, arm, th]["read_rate"] = rate
             del ctx
             if a.dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -173,9 +188,10 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
                rope_dim=a.rope_dim, decode_steps=a.decode_steps, kvm_impl=a.kvm_impl, kvm_backward=a.kvm_backward,
                numerics=a.numerics)
     rows = []
-    for (T, mode, arm), r in res.items():
+    for (T, mode, arm, th), r in res.items():
         t = _ms(r.get("time"))
-        sd = _ms(res.get((T, mode, "sdpa"), {}).get("time"))
+        sd = _ms(res.get((T, mode, "sdpa", th), {}).get("time"))
+        first = _ms(res.get((T, mode, arm, a.threads[0]), {}).get("time"))     # the same arm at the first count
         # the "state" of full attention is its KV cache
         m = {"rows": T, "state_bytes": kv(T), "state_bytes_used": kv(T)} if arm == "sdpa" else mem.get((T, arm), {})
         flops = useful_flops(arm, mode, T, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
@@ -188,10 +204,12 @@ def _csv_rows(a, res, mem, kv) -> List[Dict[str, object]]:
             got, peak = nbytes / (t / 1e3) / 1e9, r["read_rate"][0] / 1e9
             read = {"useful_read_mb": nbytes / 2 ** 20, "read_gbps": got, "read_rate_gbps": peak,
                     "read_fraction": got / peak}
-        rows.append({"T": T, "mode": mode, "arm": arm, "time_ms": t, "time_min_ms": _ms(r.get("time"), min),
+        rows.append({"T": T, "mode": mode, "arm": arm, "threads": th, "time_ms": t,
+                     "time_min_ms": _ms(r.get("time"), min),
                      "time_max_ms": _ms(r.get("time"), max), "repeats": len(r.get("time", [])),
                      "fwd_grad_ms": _ms(r.get("fwd_grad")), "step_median_ms": _ms(r.get("step_median")),
                      "step_max_ms": _ms(r.get("step_max")), "speedup_vs_sdpa": sd / t if t and sd else None,
+                     "thread_speedup": first / t if t and first else None,
                      **m, "state_bytes_decode": max(r["state_bytes_decode"]) if r.get("state_bytes_decode") else None,
                      "kv_cache_bytes": kv(T), "status": r.get("status", "ok" if t else "skipped"),
                      "saved_bytes": int(max(r["saved_bytes"])) if r.get("saved_bytes") else None,
@@ -205,27 +223,29 @@ def _report(a, info, res, mem) -> OpsResult:
     kv = lambda T: 2 * a.batch * a.kv_heads * T * a.head_dim * elem
     rows, table = _csv_rows(a, res, mem, kv), []
     fmt = lambda ms: "-" if ms is None else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
-    by = {(row["T"], row["mode"], row["arm"]): row for row in rows}
-    for T in a.lengths:
-        for mode in a.modes:
-            g = lambda arm, k: by.get((T, mode, arm), {}).get(k)
-            cell = lambda arm: "oom" if g(arm, "status") == "oom" else fmt(g(arm, "time_ms"))
-            sp = lambda arm: "" if g(arm, "speedup_vs_sdpa") is None else f"{g(arm, 'speedup_vs_sdpa'):.2f}x"
-            of = "read_fraction" if mode == "decode" else "bound_fraction"
-            bound = lambda arm: "-" if g(arm, of) is None else f"{100 * g(arm, of):.{0 if g(arm, of) >= 0.1 else 1}f}%"
-            mf, ms = mem.get((T, "kvm-fixed256"), {}), mem.get((T, "kvm-sqrt16"), {})
-            table.append([T, mode, cell("sdpa"), cell("kvm-fixed256"), cell("kvm-sqrt16"), sp("kvm-fixed256"),
-                          sp("kvm-sqrt16"), mf.get("rows", ""), ms.get("rows", ""),
-                          f"{human_bytes(mf.get('state_bytes'))}/{human_bytes(ms.get('state_bytes'))}",
-                          human_bytes(kv(T)), "/".join(bound(arm) for arm in ARMS)])
+    by = {(row["T"], row["mode"], row["arm"], row["threads"]): row for row in rows}
+    for T, mode, th in ((T, mode, th) for T in a.lengths for mode in a.modes for th in a.threads):
+        g = lambda arm, k: by.get((T, mode, arm, th), {}).get(k)
+        cell = lambda arm: "oom" if g(arm, "status") == "oom" else fmt(g(arm, "time_ms"))
+        sp = lambda arm: "" if g(arm, "speedup_vs_sdpa") is None else f"{g(arm, 'speedup_vs_sdpa'):.2f}x"
+        of = "read_fraction" if mode == "decode" else "bound_fraction"
+        bound = lambda arm: "-" if g(arm, of) is None else f"{100 * g(arm, of):.{0 if g(arm, of) >= 0.1 else 1}f}%"
+        mf, ms = mem.get((T, "kvm-fixed256"), {}), mem.get((T, "kvm-sqrt16"), {})
+        scale = "/".join("-" if g(arm, "thread_speedup") is None else f"{g(arm, 'thread_speedup'):.2f}x"
+                         for arm in ARMS)
+        table.append([T, mode, th, cell("sdpa"), cell("kvm-fixed256"), cell("kvm-sqrt16"), sp("kvm-fixed256"),
+                      sp("kvm-sqrt16"), mf.get("rows", ""), ms.get("rows", ""),
+                      f"{human_bytes(mf.get('state_bytes'))}/{human_bytes(ms.get('state_bytes'))}",
+                      human_bytes(kv(T)), "/".join(bound(arm) for arm in ARMS), scale])
     print(f"\n# times in ms (median of {a.repeats}); decode = mean per token over {a.decode_steps} steps; "
           f"speedup = sdpa / kvm; bytes per layer; of bound = useful FLOPs / time / matmul rate "
           f"({a.matmul_rate:.1f} GFLOP/s; kvmeans.bench.flops), for decode keys/values read per token / time / "
           f"read rate of as many bytes")
-    print_table(["T", "mode", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt", "rows fixed",
-                 "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes", "of bound sdpa/fixed/sqrt"], table)
+    print_table(["T", "mode", "threads", "sdpa", "kvm-fixed256", "kvm-sqrt16", "speedup fixed", "speedup sqrt",
+                 "rows fixed", "rows sqrt", "state bytes fixed/sqrt", "kv-cache bytes", "of bound sdpa/fixed/sqrt",
+                 f"vs {a.threads[0]} thread(s) sdpa/fixed/sqrt"], table)
     if "backward" in a.modes:
-        kept = lambda T, arm: by.get((T, "backward", arm), {}).get("saved_bytes")
+        kept = lambda T, arm: by.get((T, "backward", arm, a.threads[0]), {}).get("saved_bytes")
         print("\n# kept by autograd for backward (bytes, inputs included; the memory a training step holds per layer)")
         print_table(["T", "sdpa", "kvm-fixed256", "kvm-sqrt16"],
                     [[T, *(human_bytes(kept(T, arm)) for arm in ARMS)] for T in a.lengths])
@@ -234,7 +254,8 @@ def _report(a, info, res, mem) -> OpsResult:
     config = {k: v for k, v in vars(a).items() if k not in ("dev", "out", "argv")}
     env_path = write_json(out / "env.json", {"env": info, "config": config, "argv": a.argv})
     Ts = a.lengths
-    series = lambda mode: {arm: (Ts, [by.get((T, mode, arm), {}).get("time_ms") for T in Ts]) for arm in ARMS}
+    th = a.threads[-1]                  # the plot shows the last thread count
+    series = lambda mode: {arm: (Ts, [by.get((T, mode, arm, th), {}).get("time_ms") for T in Ts]) for arm in ARMS}
     panels = [{"title": f"{mode}" + (" (per token)" if mode == "decode" else ""), "ylabel": "time (ms)",
                "series": series(mode)} for mode in a.modes]
     panels.append({"title": "memory per layer", "ylabel": "bytes", "series": {   # colours follow the arms

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-sdpa-len", type=int, help="skip the SDPA arm for T above this")
     p.add_argument("--out", help="output folder (default bench-results/ops-<timestamp>)")
     p.add_argument("--quick", action="store_true", help="T = 512 1024 2048, 1 repeat, 16 decode steps")
+    p.add_argument("--threads", type=int, nargs="+",
+                   help="torch thread counts, measured in turn within every repeat (default: torch's current); "
+                        "the CSV's thread_speedup is each arm's time at the first count over its time at this one")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.repeats = (1 if quick else 3) if a.repeats is None else a.repeats
     a.decode_steps = (16 if quick else a.chunk_len) if a.decode_steps is None else a.decode_steps
     a.modes = [m for m in MODES if m in a.modes]
+    a.threads = a.threads or [torch.get_num_threads()]
     _check_args(a)
     if a.device == "cpu" and a.dtype != "float32":
         print(f"warning: {a.dtype} matmul has no fast path on many CPUs (can be ~100x slower than float32)",
@@ -75,7 +79,8 @@ def _check_args(a: argparse.Namespace) -> None:
                              ("--n-bswa-chunks", a.n_bswa_chunks, 1), ("--sink-len", a.sink_len, 0),
                              ("--rope-dim", a.rope_dim, 0), ("--repeats", a.repeats, 1),
                              ("--decode-steps", a.decode_steps, 1), ("--lengths", min(a.lengths), 1),
-                             ("--max-sdpa-len", 1 if a.max_sdpa_len is None else a.max_sdpa_len, 1)):
+                             ("--max-sdpa-len", 1 if a.max_sdpa_len is None else a.max_sdpa_len, 1),
+                             ("--threads", min(a.threads), 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low}, got {value}")
     if a.sink_len >= a.chunk_len:

@@ -103,3 +103,20 @@ def test_cli_lists_and_routes_every_command(capsys):
     for name in ("demo", "bench", "generate", "convert", "train", "data"):
         assert f"  {name}" in listed
     assert cli(["data", "--help"]) == 0 and cli(["data", "nope"]) == 2
+
+
+def test_threads_are_measured_in_turn(tmp_path, capsys):
+    """--threads 1 2: every (T, mode, arm) at each count, the thread count restored after, and thread_speedup the
+    arm's time at the first count over its time at this one."""
+    import torch
+    before = torch.get_num_threads()
+    assert main(SMALL[:2] + SMALL[3:] + ["--modes", "prefill", "--threads", "1", "2",
+                                        "--out", str(tmp_path)]) == 0
+    assert torch.get_num_threads() == before
+    rows = list(csv.DictReader(open(tmp_path / "ops.csv")))
+    assert sorted((r["arm"], r["threads"]) for r in rows) == sorted(
+        (a, t) for a in ("sdpa", "kvm-fixed256", "kvm-sqrt16") for t in ("1", "2"))
+    time = {(r["arm"], r["threads"]): float(r["time_ms"]) for r in rows}
+    for r in rows:
+        assert float(r["thread_speedup"]) == pytest.approx(time[r["arm"], "1"] / time[r["arm"], r["threads"]])
+    assert "vs 1 thread(s) sdpa/fixed/sqrt" in capsys.readouterr().out

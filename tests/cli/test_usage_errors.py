@@ -74,6 +74,7 @@ def test_cuda_on_a_cpu_machine(files, capsys):
     (["--heads", "0", "--repeats", "0"], "--heads must be >= 1, got 0"),
     (["--kv-heads", "0", "--repeats", "0"], "--kv-heads must be >= 1, got 0"),
     (["--head-dim", "0", "--repeats", "0"], "--head-dim must be >= 1, got 0"),
+    (["--threads", "2", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_bench_ops_errors(capsys, args, needle):
     fails(["bench", "ops"] + args, capsys, needle)
