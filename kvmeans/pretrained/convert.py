@@ -23,7 +23,7 @@ from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
-from kvmeans.pretrained.op import ROPE_MODES
+from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES
 from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
 
@@ -49,7 +49,10 @@ class KVMSpec:
     ``exact_rows``: rows of the budget kept as a reserve of single tokens, the most novel ones, read exactly
     (``kvmeans.pretrained.reserve``; 0: none); ``exact_scope``: how the reserve ranks a token, ``"model"``
     (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
-    ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty);
+    ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty); ``exact_rank``: what a token is
+    scored by, ``"novelty"`` (minus its highest cosine to the rows) or ``"attention"`` (the most attention a query
+    gave it while it was in the exact window; ``kvmeans.pretrained.op``), averaged over layers as ``exact_scope``
+    says;
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -67,6 +70,7 @@ class KVMSpec:
     novel_rows: int = 0
     exact_rows: int = 0
     exact_scope: str = "model"
+    exact_rank: str = "novelty"
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
@@ -93,6 +97,9 @@ class KVMSpec:
         if self.prefill_segment < 0:
             raise ValueError("prefill_segment must be >= 0 (0: the whole input in one call), got "
                              f"{self.prefill_segment}")
+        if self.exact_rank not in EXACT_RANKS:
+            raise ValueError(f"exact_rank must be one of {EXACT_RANKS} (what the reserve ranks a token by: its "
+                             f"novelty, or the attention it received in the window), got {self.exact_rank!r}")
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
@@ -113,7 +120,7 @@ class KVMSpec:
         (the transformers layer and the vLLM layer both call it with these)."""
         return dict(budget=self.state_budget, chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks,
                     sink_len=self.sink_len, log_count_bias=self.log_count_bias, novel_rows=self.novel_rows,
-                    exact_rows=self.exact_rows)
+                    exact_rows=self.exact_rows, exact_rank=self.exact_rank)
 
     @property
     def distance(self) -> int:
@@ -166,7 +173,7 @@ def parse_kvm_spec(text: str) -> dict:
             out[key] = _parse_layers(val)
         elif key == "budget":
             out[key] = _parse_budget(val)
-        elif key in ("rope_mode", "exact_scope"):
+        elif key in ("rope_mode", "exact_scope", "exact_rank"):
             out[key] = val
         elif key in ("log_count_bias", "learned"):
             if val not in ("true", "false", "1", "0"):

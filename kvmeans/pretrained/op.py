@@ -33,6 +33,7 @@ from kvmeans.pretrained.reserve import block_scores, keep_most_novel
 from kvmeans.pretrained.routing import merge_closest_pairs, route_novel
 
 ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
+EXACT_RANKS = ("novelty", "attention")
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -82,10 +83,11 @@ class ConvertedKVMState:
     ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty).
     """
 
-    FIELDS = ("buf_k", "buf_v", "buf_pos", "buf_g", "key_sum", "value_sum", "count", "reserve_key",
+    FIELDS = ("buf_k", "buf_v", "buf_pos", "buf_g", "buf_att", "key_sum", "value_sum", "count", "reserve_key",
               "reserve_value", "reserve_count", "reserve_score")
     # what each field is, for :meth:`nbytes_by_kind` (the sinks are split off the rows there)
-    KINDS = {"buf_k": "window", "buf_v": "window", "buf_pos": "window", "buf_g": "window", "key_sum": "rows",
+    KINDS = {"buf_k": "window", "buf_v": "window", "buf_pos": "window", "buf_g": "window", "buf_att": "window",
+             "key_sum": "rows",
              "value_sum": "rows", "count": "rows", "reserve_key": "reserve", "reserve_value": "reserve",
              "reserve_count": "reserve", "reserve_score": "reserve"}
 
@@ -174,14 +176,16 @@ def _state_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope:
 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
-             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None) -> None:
+             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None,
+             exact_rank: str = "novelty") -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.pretrained.routing``; with
     ``exact_rows`` the block first passes the reserve, ``kvmeans.pretrained.reserve``, and the pool's
     budget is ``exact_rows`` less; ``layer_novelty(start, score) -> score`` ranks a block by its novelty
-    agreed across layers, ``kvmeans.pretrained.board``). The merged tokens stay in the buffer until
-    :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
+    agreed across layers, ``kvmeans.pretrained.board``; ``exact_rank="attention"`` ranks by the attention the
+    token received while in the window, ``buf_att``, instead of by its novelty). The merged tokens stay in the
+    buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
@@ -215,7 +219,10 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
-            score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
+            if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
+                score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
+            else:
+                score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
             kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
@@ -244,7 +251,7 @@ def _trim(st: ConvertedKVMState) -> None:
     drop = 0 if st.buf_v is None else st.covered - (st.seen - st.buf_v.shape[-2])
     if drop <= 0:
         return
-    for name, axis in (("buf_k", -2), ("buf_v", -2), ("buf_g", -2), ("buf_pos", -1)):
+    for name, axis in (("buf_k", -2), ("buf_v", -2), ("buf_g", -2), ("buf_pos", -1), ("buf_att", -1)):
         t = getattr(st, name)
         if t is not None:
             setattr(st, name, t.narrow(axis, drop, t.shape[axis] - drop).clone())
@@ -257,6 +264,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             sin_d: Optional[Tensor] = None, rope: Optional[RopeFn] = None,
                             positions: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
+                            exact_rank: str = "novelty",
                             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
@@ -272,7 +280,9 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     decode) gives the same result. ``novel_rows``: novelty-preserving routing at a full budget
     (``kvmeans.pretrained.routing``; 0: KVM's routing); ``exact_rows``: slots of the budget that keep the most
     novel tokens exactly (``kvmeans.pretrained.reserve``), ranked by ``layer_novelty(start, score)`` when given
-    (novelty agreed across layers, ``kvmeans.pretrained.board``).
+    (novelty agreed across layers, ``kvmeans.pretrained.board``). ``exact_rank``: what the reserve ranks by,
+    ``"novelty"`` or ``"attention"`` (the most attention a query of the layer gave the token while it was in the
+    window, softmax over the window alone, the max over the kv group's heads; ``state.buf_att``).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -283,6 +293,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         raise ValueError(f"rope_mode must be one of {ROPE_MODES}, got {rope_mode!r}")
     if exact_rows and novel_rows:
         raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
+    if exact_rank not in EXACT_RANKS:
+        raise ValueError(f"exact_rank must be one of {EXACT_RANKS}, got {exact_rank!r}")
     pre_rope = rope_mode in ("pre_rope_fixed", "split")
     if pre_rope and rope is None:
         raise ValueError(f"rope_mode={rope_mode!r} needs rope= (positions -> the model's cos, sin): the keys of a "
@@ -304,11 +316,15 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     state.unrotated = None
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
+    attention_rank = bool(exact_rows) and exact_rank == "attention"
+    if attention_rank:
+        state.buf_att = _cat(state.buf_att, k.new_zeros(B, k.shape[1], T, dtype=dt), -1)
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
-                   rope=rope if pre_rope else None)
+                   rope=rope if pre_rope else None, exact_rank=exact_rank)
     c0, c1 = start // C, -(-(start + T) // C)
     read = dict(scaling=scaling, softcap=softcap, log_count_bias=log_count_bias, state_key_weight=state_key_weight,
-                state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp)
+                state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp,
+                attention_rank=attention_rank)
     if c1 - c0 == 1:                # inside one chunk (decode steps): the window and the state as they are
         _advance(state, start + T, budget, C, n_bswa_chunks, sink_len, **routing)
         out = _attend_one_chunk(q, q_state, state, base0, start, c0 * C - (L - C), dt, **read)
@@ -333,9 +349,10 @@ def _state_read(rows, dt, state_key_weight, state_key_bias, log_count_bias):
 
 
 def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softcap, log_count_bias,
-                      state_key_weight, state_key_bias, state_temp, window_temp) -> Tensor:
+                      state_key_weight, state_key_bias, state_temp, window_temp, attention_rank=False) -> Tensor:
     """The ``T`` queries of one chunk (positions ``[start, start + T)``) against the state's rows and the window
-    ``[max(w0, 0), start + T)`` (causal among the new tokens); ``[B, H, T, Dv]``."""
+    ``[max(w0, 0), start + T)`` (causal among the new tokens); ``[B, H, T, Dv]``. ``attention_rank``: also raise
+    each window token's ``state.buf_att`` to the most attention these queries give it (:func:`_window_mass`)."""
     B, H, T, D = q.shape
     Hkv = state.buf_k.shape[1]
     G = H // Hkv
@@ -348,6 +365,9 @@ def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softc
         W = kw.shape[-2]
         future = torch.arange(W, device=q.device) > torch.arange(W - T, W, device=q.device)[:, None]
         logits = logits.masked_fill(future.repeat(G, 1), float("-inf"))
+    if attention_rank:
+        mass = _window_mass(logits).amax(-2)                                          # [B, Hkv, W]
+        state.buf_att[..., lo:] = torch.maximum(state.buf_att[..., lo:], mass)
     rows = state.read_rows()
     if rows is None:
         return torch.matmul(torch.softmax(logits, -1), vw).reshape(B, H, T, -1).to(q.dtype)
@@ -362,18 +382,16 @@ def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softc
 
 def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks, sink_len, routing, dt, *,
                        scaling, softcap, log_count_bias, state_key_weight, state_key_bias, state_temp,
-                       window_temp) -> Tensor:
+                       window_temp, attention_rank=False) -> Tensor:
     """Every chunk of queries at once: queries padded to whole chunks, each chunk's window the ``L`` positions
     ending at its end, each chunk reading the state as it stood then (``_advance`` per chunk; the tensors are
-    replaced, not written in place, so the per-chunk rows are snapshots)."""
+    replaced, not written in place, so the per-chunk rows are snapshots). The window logits do not depend on the
+    state, so they come first: with ``attention_rank`` every window token's ``buf_att`` is complete (all the
+    queries that see it are earlier chunks) before the chunk it leaves in routes it."""
     B, H, T, D = q.shape
     Hkv = state.buf_k.shape[1]
     G, L = H // Hkv, n_bswa_chunks * C
     c0, c1 = start // C, -(-(start + T) // C)
-    rows = []
-    for c in range(c0, c1):
-        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
-        rows.append(state.read_rows())
     nc, off, p0 = c1 - c0, start - c0 * C, c0 * C - (L - C)
     all_k, all_v = state.buf_k, state.buf_v                                    # positions [base0, start + T)
     def grid(x, first, width):                     # positions [first, first + width) of x (x starts at base0)
@@ -392,6 +410,18 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     kpos = p0 + C * torch.arange(nc, device=q.device)[:, None, None] + l_          # [nc, 1, L]
     masked = ((l_[None, :] - i[:, None] > L - C) | (kpos < 0)).repeat(1, G, 1)    # [nc, G*C, L]
     logits = _softcap(torch.matmul(qg, kw.transpose(-1, -2)) * scaling, softcap).masked_fill(masked, float("-inf"))
+    if attention_rank:                             # queries of this call only (the grid pads before and after)
+        qpos = c0 * C + C * torch.arange(nc, device=q.device)[:, None] + i                # [nc, C]
+        real = ((qpos >= start) & (qpos < start + T)).repeat(1, G).unsqueeze(-1)        # [nc, G*C, 1]
+        mass = (_window_mass(logits) * real).amax(-2)                                     # [B, Hkv, nc, L]
+        at = (kpos.squeeze(1) - base0).expand_as(mass)                                    # buffer index
+        ok = (at >= 0) & (at < state.buf_att.shape[-1])
+        state.buf_att = state.buf_att.scatter_reduce(-1, at.where(ok, 0).flatten(2), mass.where(ok, 0).flatten(2),
+                                                     "amax")
+    rows = []
+    for c in range(c0, c1):
+        _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
+        rows.append(state.read_rows())
     if all(r is None for r in rows):
         return _from_grid(torch.matmul(torch.softmax(logits, -1), vw), G, off, T, q.dtype)
     M = max(r[2].shape[-1] for r in rows if r is not None)
@@ -407,6 +437,12 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
     out = torch.matmul(p[..., :M], mean_v) + torch.matmul(p[..., M:], vw)
     return _from_grid(out, G, off, T, q.dtype)
+
+
+def _window_mass(logits: Tensor) -> Tensor:
+    """The attention each query gives each window key, softmax over the window alone (a query's state rows do not
+    enter, so the two attention paths score alike): ``logits [..., Q, W]`` (masked: -inf) -> ``[..., Q, W]``."""
+    return torch.softmax(logits, -1).nan_to_num(0.0)
 
 
 def _from_grid(out: Tensor, G: int, off: int, T: int, dtype) -> Tensor:

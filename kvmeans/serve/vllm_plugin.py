@@ -61,6 +61,10 @@ def _refusals(vllm_config) -> None:
         raise ValueError(f"{where}: exact_scope='model' (the reserve ranks tokens by novelty averaged over the "
                          "layers) is not served yet (its greedy tokens drifted from the transformers model's in our "
                          "tests); convert with exact_scope='layer' (--kvm ...,exact_scope=layer) or exact_rows=0")
+    if spec.exact_rows and spec.exact_rank != "novelty":
+        raise ValueError(f"{where}: exact_rank={spec.exact_rank!r} (the reserve ranks tokens by the attention they "
+                         "received in the window) is not served yet (the state slots hold no per-token scores); "
+                         "convert with exact_rank=novelty or exact_rows=0")
     if spec.rope_mode not in ("pre_rope_fixed", "post_rope", "split"):
         raise ValueError(f"{where}: rope_mode={spec.rope_mode!r} is not served (the families served rotate q/k)")
 
