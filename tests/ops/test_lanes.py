@@ -151,3 +151,22 @@ def test_grad_calls_never_split(threads, monkeypatch):
     y, _ = call(x, None, CASES[3])
     y.sum().backward()
     assert x["q"].grad is not None
+
+
+def test_a_forked_child_makes_its_own_pool(threads):
+    """A child forked after the pool exists has none of its threads: it makes a new pool instead of waiting on the
+    parent's forever."""
+    import multiprocessing as mp
+    lanes._workers(2)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as p:
+        assert p.apply_async(_split_prefill_in_child).get(timeout=120) == (2, True)
+
+
+def _split_prefill_in_child():
+    torch.set_num_threads(2)
+    x = make_inputs(B=1, H=8, Hkv=4, T=70, D=8, dtype=torch.float32)
+    lanes.MIN_LANE_WORK = 0
+    with torch.no_grad():
+        y, _ = call(x, None, CASES[0])
+    return torch.get_num_threads(), bool(torch.isfinite(y).all())

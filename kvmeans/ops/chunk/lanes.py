@@ -13,6 +13,7 @@ setting is restored right after, so the caller's ``torch.get_num_threads()`` is 
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Tuple
@@ -28,7 +29,7 @@ __all__ = ["MIN_LANE_WORK", "lane_split", "run_lanes"]
 MIN_LANE_WORK = 1 << 17
 
 _local = threading.local()
-_pool: Optional[Tuple[int, ThreadPoolExecutor]] = None
+_pool: Optional[Tuple[int, int, ThreadPoolExecutor]] = None      # (pid, threads, pool)
 _pool_lock = threading.Lock()
 
 
@@ -83,13 +84,14 @@ def _as_worker(fn, *args):
 
 
 def _workers(threads: int) -> ThreadPoolExecutor:
-    """The pool of ``threads`` workers, each with one intra-op thread (made once per thread count)."""
+    """The pool of ``threads`` workers, each with one intra-op thread (made once per thread count and process: a
+    forked child has none of its parent's threads)."""
     global _pool
     with _pool_lock:
-        if _pool is not None and _pool[0] == threads:
-            return _pool[1]
-        if _pool is not None:
-            _pool[1].shutdown(wait=True)
+        if _pool is not None and _pool[:2] == (os.getpid(), threads):
+            return _pool[2]
+        if _pool is not None and _pool[0] == os.getpid():
+            _pool[2].shutdown(wait=True)
         ready = threading.Barrier(threads + 1)
 
         def init():
@@ -102,7 +104,7 @@ def _workers(threads: int) -> ThreadPoolExecutor:
             pool.submit(init)
         ready.wait()
         torch.set_num_threads(threads)  # the workers' setting also changed the process-wide default: restore it
-        _pool = (threads, pool)
+        _pool = (os.getpid(), threads, pool)
         return pool
 
 
