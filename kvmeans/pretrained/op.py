@@ -33,7 +33,7 @@ from kvmeans.pretrained.reserve import block_scores, keep_most_novel
 from kvmeans.pretrained.routing import merge_closest_pairs, route_novel
 
 ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
-EXACT_RANKS = ("novelty", "attention")
+EXACT_RANKS = ("novelty", "attention", "both")
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -219,10 +219,11 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
-            if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
-                score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
-            else:
+            score = 0
+            if exact_rank != "attention":
                 score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
+            if exact_rank != "novelty":         # one score per token, the mean over the kv heads (as novelty's)
+                score = score + st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
             kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
@@ -281,8 +282,10 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     (``kvmeans.pretrained.routing``; 0: KVM's routing); ``exact_rows``: slots of the budget that keep the most
     novel tokens exactly (``kvmeans.pretrained.reserve``), ranked by ``layer_novelty(start, score)`` when given
     (novelty agreed across layers, ``kvmeans.pretrained.board``). ``exact_rank``: what the reserve ranks by,
-    ``"novelty"`` or ``"attention"`` (the most attention a query of the layer gave the token while it was in the
-    window, softmax over the window alone, the max over the kv group's heads; ``state.buf_att``).
+    ``"novelty"``, ``"attention"`` (the attention the token received from the last chunk of queries that see it,
+    ``n_bswa_chunks - 1`` chunks after its own: softmax over the window alone, summed over those queries, mean
+    over the kv group's heads; ``state.buf_att``; SnapKV's observation window, at the moment the token leaves) or
+    ``"both"`` (their sum: a token scores for being unlike the rows or for being asked for from afar).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -316,7 +319,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     state.unrotated = None
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
-    attention_rank = bool(exact_rows) and exact_rank == "attention"
+    attention_rank = bool(exact_rows) and exact_rank != "novelty"
     if attention_rank:
         state.buf_att = _cat(state.buf_att, k.new_zeros(B, k.shape[1], T, dtype=dt), -1)
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
@@ -327,7 +330,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                 attention_rank=attention_rank)
     if c1 - c0 == 1:                # inside one chunk (decode steps): the window and the state as they are
         _advance(state, start + T, budget, C, n_bswa_chunks, sink_len, **routing)
-        out = _attend_one_chunk(q, q_state, state, base0, start, c0 * C - (L - C), dt, **read)
+        out = _attend_one_chunk(q, q_state, state, base0, start, c0 * C - (L - C), dt, chunk_len=C, **read)
     else:
         out = _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks, sink_len, routing, dt,
                                  **read)
@@ -349,10 +352,11 @@ def _state_read(rows, dt, state_key_weight, state_key_bias, log_count_bias):
 
 
 def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softcap, log_count_bias,
-                      state_key_weight, state_key_bias, state_temp, window_temp, attention_rank=False) -> Tensor:
+                      state_key_weight, state_key_bias, state_temp, window_temp, attention_rank=False,
+                      chunk_len=0) -> Tensor:
     """The ``T`` queries of one chunk (positions ``[start, start + T)``) against the state's rows and the window
-    ``[max(w0, 0), start + T)`` (causal among the new tokens); ``[B, H, T, Dv]``. ``attention_rank``: also raise
-    each window token's ``state.buf_att`` to the most attention these queries give it (:func:`_window_mass`)."""
+    ``[max(w0, 0), start + T)`` (causal among the new tokens); ``[B, H, T, Dv]``. ``attention_rank``: also add the
+    attention these queries give the window's oldest block to its ``state.buf_att`` (:func:`_window_mass`)."""
     B, H, T, D = q.shape
     Hkv = state.buf_k.shape[1]
     G = H // Hkv
@@ -365,9 +369,9 @@ def _attend_one_chunk(q, q_state, state, base0, start, w0, dt, *, scaling, softc
         W = kw.shape[-2]
         future = torch.arange(W, device=q.device) > torch.arange(W - T, W, device=q.device)[:, None]
         logits = logits.masked_fill(future.repeat(G, 1), float("-inf"))
-    if attention_rank:
-        mass = _window_mass(logits).amax(-2)                                          # [B, Hkv, W]
-        state.buf_att[..., lo:] = torch.maximum(state.buf_att[..., lo:], mass)
+    if attention_rank and w0 >= 0:      # the oldest block [w0, w0 + C): these queries are the last that see it
+        n = min(chunk_len, kw.shape[-2])
+        state.buf_att[..., lo:lo + n] += _window_mass(logits)[..., :n].sum(-2) / G
     rows = state.read_rows()
     if rows is None:
         return torch.matmul(torch.softmax(logits, -1), vw).reshape(B, H, T, -1).to(q.dtype)
@@ -386,8 +390,8 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     """Every chunk of queries at once: queries padded to whole chunks, each chunk's window the ``L`` positions
     ending at its end, each chunk reading the state as it stood then (``_advance`` per chunk; the tensors are
     replaced, not written in place, so the per-chunk rows are snapshots). The window logits do not depend on the
-    state, so they come first: with ``attention_rank`` every window token's ``buf_att`` is complete (all the
-    queries that see it are earlier chunks) before the chunk it leaves in routes it."""
+    state, so they come first: with ``attention_rank`` the oldest block of every chunk's window gets the
+    attention of that chunk's queries (the last ones that see it) in ``buf_att`` before the next chunk routes it."""
     B, H, T, D = q.shape
     Hkv = state.buf_k.shape[1]
     G, L = H // Hkv, n_bswa_chunks * C
@@ -413,11 +417,10 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     if attention_rank:                             # queries of this call only (the grid pads before and after)
         qpos = c0 * C + C * torch.arange(nc, device=q.device)[:, None] + i                # [nc, C]
         real = ((qpos >= start) & (qpos < start + T)).repeat(1, G).unsqueeze(-1)        # [nc, G*C, 1]
-        mass = (_window_mass(logits) * real).amax(-2)                                     # [B, Hkv, nc, L]
-        at = (kpos.squeeze(1) - base0).expand_as(mass)                                    # buffer index
+        mass = (_window_mass(logits)[..., :C] * real).sum(-2) / G                        # [B, Hkv, nc, C]
+        at = (kpos.squeeze(1)[:, :C] - base0).expand_as(mass)                            # buffer index
         ok = (at >= 0) & (at < state.buf_att.shape[-1])
-        state.buf_att = state.buf_att.scatter_reduce(-1, at.where(ok, 0).flatten(2), mass.where(ok, 0).flatten(2),
-                                                     "amax")
+        state.buf_att = state.buf_att.scatter_add(-1, at.where(ok, 0).flatten(2), mass.where(ok, 0).flatten(2))
     rows = []
     for c in range(c0, c1):
         _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
@@ -443,6 +446,7 @@ def _window_mass(logits: Tensor) -> Tensor:
     """The attention each query gives each window key, softmax over the window alone (a query's state rows do not
     enter, so the two attention paths score alike): ``logits [..., Q, W]`` (masked: -inf) -> ``[..., Q, W]``."""
     return torch.softmax(logits, -1).nan_to_num(0.0)
+
 
 
 def _from_grid(out: Tensor, G: int, off: int, T: int, dtype) -> Tensor:

@@ -35,37 +35,42 @@ def _asked_for(T=120, D=8):
     return q, k, v
 
 
-@pytest.mark.parametrize("rank, kept", [("novelty", [40, 48]), ("attention", [60])])
-def test_the_asked_for_token_keeps_its_slot_only_when_ranked_by_attention(rank, kept):
+@pytest.mark.parametrize("rank, slots, kept", [("novelty", 2, [40, 48]), ("attention", 2, [60]),
+                                              ("both", 3, [40, 48, 60])])
+def test_the_asked_for_token_keeps_its_slot_only_when_ranked_by_attention(rank, slots, kept):
     q, k, v = _asked_for()
     st = ConvertedKVMState()
     converted_kvm_attention(q, k, v, st, scaling=1.0, budget=12, chunk_len=8, n_bswa_chunks=2, sink_len=1,
-                            rope_mode="none", exact_rows=2, exact_rank=rank)
+                            rope_mode="none", exact_rows=slots, exact_rank=rank)
     slots = sorted(st.reserve_value[0, 0, :, 0].tolist())
     assert set(kept) <= set(slots), slots
     assert slots == sorted(st.reserve_value[0, 1, :, 0].tolist())     # one ranking for every kv head
     if rank == "novelty":
         assert st.buf_att is None
-    else:
-        assert st.reserve_score.max() > 0.9                             # it got nearly all of the queries' attention
+    else:                   # it got nearly all of the queries' attention (both: less its cosine to the rows)
+        assert st.reserve_score.max() > (0.9 if rank == "attention" else 0.0)
 
 
-def test_the_score_is_the_most_window_attention_any_query_gave():
-    """buf_att of the window tokens after a call: for each key, the max over the queries that see it (their window,
-    causal) of the softmax over that window alone, the max over the kv group's heads."""
-    q, k, v = _qkv(B=1, T=40)
-    C, n = 8, 2
+def test_the_score_is_the_attention_of_the_last_chunk_of_queries_that_see_the_token():
+    """buf_att of the buffered tokens after a call: each block gets, from the queries of the chunk n - 1 after it
+    (the last that see it), the softmax over each query's window alone, summed over those queries and averaged
+    over the kv group's heads; blocks whose last chunk has not come yet hold what its queries so far gave."""
+    q, k, v = _qkv(B=1, T=43)
+    C, n, G = 8, 3, 2
     st = ConvertedKVMState()
     converted_kvm_attention(q, k, v, st, scaling=8 ** -0.5, budget=16, chunk_len=C, n_bswa_chunks=n, sink_len=2,
                             rope_mode="none", exact_rows=4, exact_rank="attention")
-    want = torch.zeros(1, 2, 40, dtype=torch.float64)
-    for p in range(40):
-        lo = max(0, (p // C) * C - (n - 1) * C)
+    want = torch.zeros(1, 2, 43, dtype=torch.float64)
+    for p in range(43):
+        first = (p // C) * C - (n - 1) * C              # the window of query p: [max(first, 0), p]
+        if first < 0:
+            continue
         for h in range(4):
-            logits = q[0, h, p] @ k[0, h // 2, lo:p + 1].T * 8 ** -0.5
-            want[0, h // 2, lo:p + 1] = torch.maximum(want[0, h // 2, lo:p + 1], logits.softmax(-1))
+            p_att = (q[0, h, p] @ k[0, h // G, first:p + 1].T * 8 ** -0.5).softmax(-1)
+            want[0, h // G, first:first + C] += p_att[:C] / G
     base = st.seen - st.buf_att.shape[-1]
-    torch.testing.assert_close(st.buf_att.double(), want[..., base:], rtol=1e-6, atol=1e-7)
+    assert base > 0 and float(want[..., base:].amax()) > 0.1
+    torch.testing.assert_close(st.buf_att, want[..., base:], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T", [
@@ -117,7 +122,7 @@ def test_converted_llama_decodes_pads_crops_and_saves_like_one_forward(tmp_path,
 def test_spec_parses_saves_and_refuses():
     assert parse_kvm_spec("exact_rows=8,exact_rank=attention") == {"exact_rows": 8, "exact_rank": "attention"}
     assert KVMSpec.from_dict({"budget": 64, "exact_rows": 8}).exact_rank == "novelty"    # saved before the field
-    with pytest.raises(ValueError, match=r"exact_rank must be one of \('novelty', 'attention'\).*got 'loud'"):
+    with pytest.raises(ValueError, match=r"exact_rank must be one of \('novelty', 'attention', 'both'\).*got 'loud'"):
         KVMSpec(exact_rank="loud")
     with pytest.raises(ValueError, match="exact_rank must be one of"):
         converted_kvm_attention(*_qkv(T=9), ConvertedKVMState(), scaling=1.0, budget=8, chunk_len=4,
