@@ -50,9 +50,9 @@ class KVMSpec:
     (``kvmeans.pretrained.reserve``; 0: none); ``exact_scope``: how the reserve ranks a token, ``"model"``
     (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
     ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty); ``exact_rank``: what a token is
-    scored by, ``"novelty"`` (minus its highest cosine to the rows), ``"attention"`` (the attention the last chunk
-    of queries that sees it gave it; ``kvmeans.pretrained.op``) or ``"both"`` (their sum), averaged over
-    layers as ``exact_scope`` says;
+    scored by, ``"novelty"`` (minus its highest cosine to the rows) or ``"attention"`` (the attention the last chunk
+    of queries that sees it gave it; ``kvmeans.pretrained.op``: better perplexity on some models, no needle recall,
+    docs/quality.md), averaged over layers as ``exact_scope`` says;
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -99,7 +99,7 @@ class KVMSpec:
                              f"{self.prefill_segment}")
         if self.exact_rank not in EXACT_RANKS:
             raise ValueError(f"exact_rank must be one of {EXACT_RANKS} (what the reserve ranks a token by: its "
-                             f"novelty, the attention it received in the window, or their sum), got {self.exact_rank!r}")
+                             f"novelty, or the attention it received in the window), got {self.exact_rank!r}")
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")

@@ -33,7 +33,7 @@ from kvmeans.pretrained.reserve import block_scores, keep_most_novel
 from kvmeans.pretrained.routing import merge_closest_pairs, route_novel
 
 ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
-EXACT_RANKS = ("novelty", "attention", "both")
+EXACT_RANKS = ("novelty", "attention")
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -219,11 +219,10 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
-            score = 0
-            if exact_rank != "attention":
+            if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
+                score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
+            else:
                 score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
-            if exact_rank != "novelty":         # one score per token, the mean over the kv heads (as novelty's)
-                score = score + st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
             kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
@@ -284,8 +283,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     (novelty agreed across layers, ``kvmeans.pretrained.board``). ``exact_rank``: what the reserve ranks by,
     ``"novelty"``, ``"attention"`` (the attention the token received from the last chunk of queries that see it,
     ``n_bswa_chunks - 1`` chunks after its own: softmax over the window alone, summed over those queries, mean
-    over the kv group's heads; ``state.buf_att``; SnapKV's observation window, at the moment the token leaves) or
-    ``"both"`` (their sum: a token scores for being unlike the rows or for being asked for from afar).
+    over the kv group's heads; ``state.buf_att``; SnapKV's observation window, at the moment the token leaves).
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -319,7 +317,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     state.unrotated = None
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
-    attention_rank = bool(exact_rows) and exact_rank != "novelty"
+    attention_rank = bool(exact_rows) and exact_rank == "attention"
     if attention_rank:
         state.buf_att = _cat(state.buf_att, k.new_zeros(B, k.shape[1], T, dtype=dt), -1)
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
