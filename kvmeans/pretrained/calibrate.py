@@ -7,14 +7,16 @@ scores a few splits (:data:`CANDIDATES`, written as shares of ``K`` so a choice 
 next-token loss of the tokens past the first ``K`` of a few calibration windows, and keeps the best one.
 
 Calibration text (:func:`calibration_windows`): windows of the built-in Shakespeare distractor (plays) and of this
-package's own Python source (code and English docstrings), tokenized by the model's tokenizer; or token ids the
-caller passes. The choice, the candidates' losses and the text are recorded under ``calibration`` in
-``config.kvm_conversion``.
+package's own Python source (code and English docstrings) frozen at one commit (``kvmeans/eval/data/
+calibration_code.json.gz``, so that editing the package does not move the choice), tokenized by the model's
+tokenizer; or token ids the caller passes. The choice, the candidates' losses and the text are recorded under
+``calibration`` in ``config.kvm_conversion``.
 """
 from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import json
 import math
 import time
@@ -28,7 +30,7 @@ from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "split_named", "calibration_windows", "calibrate"]
 
-BUILT_IN = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source, 1 window each"
+BUILT_IN = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source frozen at df7be91, 1 window each"
 DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
 SINKS = 4
 
@@ -73,9 +75,14 @@ def split_settings(split: Split, keys: int, sink_len: int = SINKS) -> dict:
 
 
 def _package_source() -> str:
-    """This package's Python source, files in sorted path order (code with English docstrings)."""
-    root = Path(__file__).resolve().parents[1]
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py")))
+    """This package's Python source, files in path order, frozen at one commit (code with English docstrings;
+    ``kvmeans/eval/data/build_calibration_code.py``), checked against its recorded sha256."""
+    path = Path(__file__).resolve().parents[1] / "eval" / "data" / "calibration_code.json.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        doc = json.load(f)
+    if hashlib.sha256(doc["text"].encode("utf-8")).hexdigest() != doc["sha256"]:
+        raise ValueError(f"{path}: the calibration text does not match its sha256; reinstall kvmeans")
+    return doc["text"]
 
 
 def _plays() -> str:

@@ -98,3 +98,35 @@ def test_calibration_windows_mix_plays_and_code(llama_dir):
     plays, code = (tok.decode(x) for x in w)
     assert "def " in code or "import " in code or "self." in code
     assert "def " not in plays
+
+
+def test_the_code_text_is_frozen_and_checked(monkeypatch, tmp_path):
+    """The code half of the calibration text is the shipped snapshot, not the installed source (an edit of the
+    package moved the automatic choice); a damaged snapshot is refused; a rebuild at its commit is identical."""
+    import gzip
+    import json
+    import runpy
+    import subprocess
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import kvmeans.pretrained.calibrate as cal
+    script = Path(cal.__file__).resolve().parents[1] / "eval" / "data" / "build_calibration_code.py"
+    build = SimpleNamespace(**runpy.run_path(str(script)))
+    text = cal._package_source()
+    assert len(text) == build.CHARS and text.startswith('"""') and "def " in text
+    assert "_touch_weights" not in text                    # code written after the snapshot's commit
+    doc = json.load(gzip.open(build.OUT, "rt", encoding="utf-8"))
+    bad = tmp_path / "eval" / "data" / "calibration_code.json.gz"
+    bad.parent.mkdir(parents=True)
+    build.write({**doc, "text": doc["text"][:-1] + "!"}, bad)
+    monkeypatch.setattr(cal, "__file__", str(tmp_path / "pretrained" / "calibrate.py"))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        cal._package_source()
+    ref = doc["commit"]
+    if subprocess.run(["git", "cat-file", "-e", ref], cwd=script.parent,
+                      capture_output=True).returncode:
+        pytest.skip(f"commit {ref} is not in this checkout (a shallow clone or an installed package)")
+    rebuilt = tmp_path / "rebuilt.json.gz"
+    build.write(build.build(ref), rebuilt)
+    assert rebuilt.read_bytes() == build.OUT.read_bytes()
