@@ -59,8 +59,10 @@ def _refusals(vllm_config) -> None:
                          "KV cache beside KVM layers yet, so convert every layer (layers='all')")
     if spec.exact_rows and spec.exact_scope == "model":
         raise ValueError(f"{where}: exact_scope='model' (the reserve ranks tokens by novelty averaged over the "
-                         "layers) is not served yet (its greedy tokens drifted from the transformers model's in our "
-                         "tests); convert with exact_scope='layer' (--kvm ...,exact_scope=layer) or exact_rows=0")
+                         "layers) is not served yet: vLLM's q/k differ from transformers' in the last bits, repeated "
+                         "tokens' keys tie in the first layers, and the averaged ranking then keeps other slots (its "
+                         "greedy tokens drifted from the transformers model's in our tests); convert with "
+                         "exact_scope='layer' (--kvm ...,exact_scope=layer) or exact_rows=0")
     if spec.exact_rows and spec.exact_rank != "novelty":
         raise ValueError(f"{where}: exact_rank={spec.exact_rank!r} (the reserve ranks tokens by the attention they "
                          "received in the window) is not served yet (the state slots hold no per-token scores); "
