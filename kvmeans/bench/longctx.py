@@ -403,12 +403,9 @@ def _touch_weights(model) -> None:
     """Read every parameter and buffer once, so that memory-mapped weights are resident before the baseline is
     taken. Without it the embedding table's pages come in only for the token ids a prompt uses (and the kernel's
     readahead around them), which shows as RSS growing with the prompt although it is the model's own file."""
-    import torch
-    acc = torch.zeros(())
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.numel() and t.is_floating_point():
-            acc += t.detach().reshape(-1)[:: max(1, 1024 // t.element_size())].float().sum().cpu()
-    del acc
+        if t.numel() and t.is_floating_point():     # one element per KiB: every 4 KiB page is read
+            t.detach().reshape(-1)[:: max(1, 1024 // t.element_size())].sum().item()
 
 
 def _cache_bytes(cache) -> Tuple[int, Dict[str, int]]:

@@ -446,7 +446,6 @@ def _window_mass(logits: Tensor) -> Tensor:
     return torch.softmax(logits, -1).nan_to_num(0.0)
 
 
-
 def _from_grid(out: Tensor, G: int, off: int, T: int, dtype) -> Tensor:
     """``[B, Hkv, nc, G*C, Dv]`` -> ``[B, H, T, Dv]``: drop the padding queries of the chunk grid."""
     B, Hkv, nc, GC, Dv = out.shape

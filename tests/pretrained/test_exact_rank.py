@@ -13,9 +13,13 @@ from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention
 tf = pytest.importorskip("transformers")
 from kvmeans.models.hf_compat import cache_kwargs  # noqa: E402
 from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
-from tests.pretrained.test_batch import left_pad, positions, rows  # noqa: E402
 from tests.pretrained.test_convert import ids, tiny  # noqa: E402
-from tests.pretrained.test_reserve import _assert_same_state, _qkv, assert_crop_replays  # noqa: E402
+from tests.pretrained.test_reserve import (  # noqa: E402
+    _assert_same_state,
+    _qkv,
+    assert_crop_replays,
+    assert_left_padding_matches,
+)
 
 RANKED = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6, exact_rank="attention",
               exact_scope="layer")
@@ -106,11 +110,7 @@ def test_converted_llama_decodes_pads_crops_and_saves_like_one_forward(tmp_path,
     steps = [x[:, :37], *x[:, 37:].split(1, 1)]
     decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
     torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
-    seqs = rows()
-    xp, mask = left_pad(seqs, pad=7)
-    padded = model(xp, attention_mask=mask, position_ids=positions(mask)).logits
-    for i, s in enumerate(seqs):
-        torch.testing.assert_close(padded[i, xp.shape[1] - len(s):], model(s[None]).logits[0], rtol=0, atol=1e-5)
+    assert_left_padding_matches(model)
     assert_crop_replays(model)
     model.save_pretrained(tmp_path)
     loaded = load_converted(tmp_path)

@@ -188,12 +188,17 @@ def test_save_load_left_padding_and_crop_keep_the_reserve(tmp_path):
     assert loaded.config.kvm_conversion["exact_rows"] == 6
     x = ids(90)
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+    assert_left_padding_matches(model)
+    assert_crop_replays(model)
+
+
+def assert_left_padding_matches(model):
+    """Rows of distinct lengths left-padded into one batch: each row's logits as when it runs alone."""
     seqs = rows()
     xp, mask = left_pad(seqs, pad=7)
     padded = model(xp, attention_mask=mask, position_ids=positions(mask)).logits
     for i, s in enumerate(seqs):
         torch.testing.assert_close(padded[i, xp.shape[1] - len(s):], model(s[None]).logits[0], rtol=0, atol=1e-5)
-    assert_crop_replays(model)
 
 
 def assert_crop_replays(model):
