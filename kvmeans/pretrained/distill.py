@@ -63,9 +63,9 @@ _RESUMABLE = ("out", "ckpt_every", "log_every", "threads")
 
 @dataclass
 class DistillConfig:
-    """One distillation run. ``kvm``: a ``--kvm`` spec (``learned=true`` is implied); ``data``: ``["shakespeare"]``
-    or text files; ``holdout``: ``(windows, length, seed)`` of the ``kvmeans eval ppl`` windows kept out of
-    training (its defaults: 6, 2048, 0)."""
+    """One distillation run. ``kvm``: a ``--kvm`` spec (``learned=true`` is implied); ``data``: corpus names
+    (``["shakespeare"]``, ``["factbook", "pybind11", "shakespeare"]``) and/or text files; ``holdout``: ``(windows,
+    length, seed)`` of the ``kvmeans eval ppl`` windows kept out of training, per source (its defaults: 6, 2048, 0)."""
     teacher: str
     kvm: str
     out: str
@@ -91,10 +91,10 @@ class DistillConfig:
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def check(self, spec: KVMSpec, world: int = 1) -> None:
-        """Errors naming the setting and the fix."""
-        span = spec.n_bswa_chunks * spec.chunk_len
-        if self.seq_len <= span:
+    def check(self, spec: Optional[KVMSpec], world: int = 1) -> None:
+        """Errors naming the setting and the fix (``spec``: the student's, ``None`` while not yet calibrated)."""
+        span = spec.n_bswa_chunks * spec.chunk_len if spec is not None else 0
+        if spec is not None and self.seq_len <= span:
             raise ConfigError(f"--seq-len {self.seq_len} never leaves the KVM window (n_bswa_chunks * chunk_len = "
                               f"{span} tokens), so nothing reaches the state to learn from; "
                               f"use --seq-len >= {4 * span}")
@@ -203,7 +203,11 @@ class Distiller:
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"--out {self.out} is a file; choose a folder")
         settings = student_spec(cfg.kvm)
-        cfg.check(KVMSpec(**{k: v for k, v in settings.items() if k != "layers"}), self.rt.world)
+        auto = bool(settings.get("calibrate"))     # the split is known after the calibration pass: checked then
+        if not auto:
+            cfg.check(KVMSpec(**{k: v for k, v in settings.items() if k != "layers"}), self.rt.world)
+        else:
+            cfg.check(None, self.rt.world)
         ckpt = self._resume_file(resume)
         from transformers import AutoModelForCausalLM
 
@@ -216,9 +220,9 @@ class Distiller:
             raise ConfigError(f"--teacher {cfg.teacher} is a KVM-native model; distill converts a plain transformers "
                               "model (e.g. from `kvmeans models fetch smollm2-135m`)")
         self.tokenizer = load_hf_tokenizer(cfg.teacher, "--teacher")
-        source = "shakespeare" if cfg.data == ["shakespeare"] else list(cfg.data)
         try:
-            self.sequences, self.heldout = training_sequences(self.tokenizer, source, cfg.seq_len, tuple(cfg.holdout))
+            self.sequences, self.heldout = training_sequences(self.tokenizer, list(cfg.data), cfg.seq_len,
+                                                              tuple(cfg.holdout))
         except (ValueError, OSError) as err:
             raise ConfigError(f"--data: {err}") from None
         try:
@@ -232,9 +236,12 @@ class Distiller:
                               "give the original model folder")
         self.teacher.requires_grad_(False)
         try:
-            self.student = convert_hf(copy.deepcopy(self.teacher), **settings)
+            self.student = convert_hf(copy.deepcopy(self.teacher), tokenizer=self.tokenizer, **settings)
         except ValueError as err:
             raise ConfigError(f"--kvm: {err}") from None
+        if auto:
+            conv = {k: v for k, v in self.student.config.kvm_conversion.items() if k != "layers"}
+            cfg.check(KVMSpec.from_dict(conv), self.rt.world)
         self.student.eval()               # no dropout; gradients still flow
         groups = trainable_parameters(self.student, cfg.lr_qkvo > 0)
         self.trained = _Trained(self.student)

@@ -14,7 +14,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from kvmeans.cli import main as kvmeans_main  # noqa: E402
 from kvmeans.pretrained.convert import convert_hf, load_converted  # noqa: E402
 from kvmeans.pretrained.distill import DistillConfig, Distiller, alignment_loss, distill, kl_loss, trainable_parameters  # noqa: E402
-from kvmeans.pretrained.distill_data import training_sequences  # noqa: E402
+from kvmeans.pretrained.distill_data import data_sources, training_sequences  # noqa: E402
 from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention  # noqa: E402
 from kvmeans.pretrained.ppl import text_windows  # noqa: E402
 from kvmeans.train.config import ConfigError  # noqa: E402
@@ -199,12 +199,51 @@ def test_eval_windows_are_held_out(teacher_dir):
     teacher, files = teacher_dir
     tok = tf.AutoTokenizer.from_pretrained(teacher)
     seqs, held = training_sequences(tok, files, 96, (2, 96, 0))
+    held = held["files"]
     windows = text_windows(tok, files, 2, 96, 0)
     docs = [tok(open(f).read(), add_special_tokens=False)["input_ids"] for f in files]
     for w in windows.tolist():
         homes = [i for i, d in enumerate(docs) if any(d[s:s + 96] == w for s in range(0, len(d) - 95, 96))]
         assert homes and set(homes) <= set(held)
     assert len(held) < len(files) and len(seqs) == sum(len(d) // 96 for i, d in enumerate(docs) if i not in held)
+
+
+def test_data_sources_name_corpora_and_group_files(tmp_path):
+    assert data_sources(["shakespeare", "a.txt", "b.txt"]) == [("shakespeare", "shakespeare"),
+                                                                ("files", ["a.txt", "b.txt"])]
+    assert data_sources("shakespeare") == [("shakespeare", "shakespeare")]
+    with pytest.raises(ValueError, match="named twice"):
+        data_sources(["shakespeare", "shakespeare"])
+
+
+def test_mixed_sources_hold_out_per_source(teacher_dir):
+    """A corpus and text files mixed: each source holds out the documents of its own eval windows, and the
+    sequences are those of each source alone, in the order given."""
+    teacher, files = teacher_dir
+    tok = tf.AutoTokenizer.from_pretrained(teacher)
+    seqs, held = training_sequences(tok, ["shakespeare", *files], 96, (2, 96, 0))
+    plays, held_plays = training_sequences(tok, "shakespeare", 96, (2, 96, 0))
+    own, held_files = training_sequences(tok, files, 96, (2, 96, 0))
+    assert held == {"shakespeare": held_plays["shakespeare"], "files": held_files["files"]}
+    assert held["shakespeare"] and held["files"]
+    assert torch.equal(seqs, torch.cat([plays, own]))
+    # a source with fewer slots than the held-out windows holds nothing out, and still trains
+    _, held_short = training_sequences(tok, files[:1], 96, (50, 96, 0))
+    assert held_short == {"files": []}
+
+
+def test_auto_spec_distils_the_calibrated_split(teacher_dir, tmp_path):
+    """--kvm auto: the student is convert_hf's calibrated split (recorded), checked against --seq-len after the
+    calibration; the final folder reloads with it."""
+    cfg = config(teacher_dir, tmp_path / "short", kvm="auto", stage1_steps=1, stage2_steps=0, holdout=[0, 0, 0])
+    with pytest.raises(ConfigError, match="--seq-len 96 never leaves the KVM window"):
+        Distiller(cfg, log_fn=lambda m: None)
+    summary = distill(config(teacher_dir, tmp_path / "run", kvm="auto", seq_len=512, stage1_steps=1,
+                             stage2_steps=0, holdout=[0, 0, 0]), log_fn=lambda m: None)
+    from kvmeans.models.load import load_model
+    conv = load_model(summary["final"], torch.float32, "cpu").config.kvm_conversion
+    assert conv["learned"] is True and conv["calibration"]["chosen"]
+    assert conv["n_bswa_chunks"] * conv["chunk_len"] < 512
 
 
 def test_run_writes_a_converted_model_with_its_learned_parameters(teacher_dir, tmp_path):
