@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvmeans.utils.io import atomic_write_text
+
 DEFAULT_KVM = "budget=fixed:132,chunk_len=32,n_bswa_chunks=4,sink_len=4,exact_rows=32,exact_scope=layer"
 
 
@@ -110,8 +112,8 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         if a.out:                                   # after every row: a run cut short keeps what it measured
             a.out.mkdir(parents=True, exist_ok=True)
-            (a.out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1,
-                                                           default=str))
+            atomic_write_text(a.out / "results.json", json.dumps({"settings": settings, "rows": rows}, indent=1,
+                                                                  default=str))
 
     for arm in a.arms:                              # capacity first (quick), then throughput
         for L in a.contexts:

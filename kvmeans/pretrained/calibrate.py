@@ -4,7 +4,10 @@ At a given number of kept keys ``K`` (default 260: 12.7% of a 2048-token context
 exact window and the state, and how much of the state to keep as exact single-token rows, depends on the model:
 a model whose heads read mostly nearby tokens wants a long window, one that retrieves wants state rows. The pass
 scores a few splits (:data:`CANDIDATES`, written as shares of ``K`` so a choice carries to any ``K``) by the
-next-token loss of the tokens past the first ``K`` of a few calibration windows, and keeps the best one.
+next-token loss of the tokens past the first ``K`` of a few calibration windows, and keeps the best one; among
+the splits within :data:`TIE` (1%) of the best tail perplexity it keeps the one with the most exact single-token
+rows (:func:`choose`): perplexity cannot see retrieval, and exact rows are where a needle survives, so when the
+loss does not tell the splits apart the choice keeps recall.
 
 Calibration text (:func:`calibration_windows`): windows of the built-in Shakespeare distractor (plays) and of this
 package's own Python source (code and English docstrings) frozen at one commit (``kvmeans/eval/data/
@@ -28,11 +31,13 @@ import torch
 from kvmeans.pretrained.nll import token_nll
 from kvmeans.utils.modules import copy_sharing_weights
 
-__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "split_settings", "split_named", "calibration_windows", "calibrate"]
+__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "TIE", "split_settings", "split_named", "calibration_windows",
+           "choose", "calibrate"]
 
 BUILT_IN = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source frozen at df7be91, 1 window each"
 DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
 SINKS = 4
+TIE = 0.01                  # tail perplexities within 1% count as a tie, broken by the most exact rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +166,25 @@ def calibrate(model, keys: int = DEFAULT_KEYS, *, convert: Callable, windows: Op
         bar.close()
     if not scored:
         raise ValueError(f"keys={keys}: no calibration candidate fits; give more keys or settings")
-    best = min(scored, key=lambda s: s["nll"])
-    chosen = {**(base or {}), **split_settings(split_named(best["split"], candidates), keys)}
+    best = choose(scored, keys, candidates)
+    chosen = {**(base or {}), **split_settings(split_named(best, candidates), keys)}
     chosen["calibration"] = {
-        "keys": keys, "text": text, "windows": list(windows.shape), "chosen": best["split"],
+        "keys": keys, "text": text, "windows": list(windows.shape), "chosen": best,
+        "rule": f"lowest tail perplexity; within {TIE:.0%} of it, the most exact rows",
         "candidates": [{"split": s["split"], "tail_ppl": round(math.exp(s["nll"]), 4)} for s in scored],
         "seconds": round(time.perf_counter() - t0, 1),
     }
     return chosen
+
+
+def choose(scored: Sequence[Dict], keys: int, candidates: Sequence[Split] = CANDIDATES, tie: float = TIE) -> str:
+    """The name of the split to keep from ``scored`` (``[{"split": name, "nll": tail NLL}, ...]``): of those whose
+    tail perplexity is within ``tie`` (a fraction) of the lowest, the one with the most exact rows at ``keys``,
+    then the lower loss."""
+    least = min(s["nll"] for s in scored)
+    near = [s for s in scored if s["nll"] <= least + math.log1p(tie)]
+    exact = {s["split"]: split_settings(split_named(s["split"], candidates), keys)["exact_rows"] for s in near}
+    return min(near, key=lambda s: (-exact[s["split"]], s["nll"]))["split"]
 
 
 def split_named(name: str, candidates: Sequence[Split] = CANDIDATES) -> Split:

@@ -13,6 +13,7 @@ from kvmeans.pretrained.calibrate import (  # noqa: E402
     Split,
     calibrate,
     calibration_windows,
+    choose,
     split_settings,
 )
 from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted  # noqa: E402
@@ -41,6 +42,20 @@ def test_split_refuses_too_few_keys():
         split_settings(Split(32, 0.5, 0.0), 40)
 
 
+def test_choose_breaks_near_ties_by_exact_rows():
+    """The lowest tail loss wins, except that a split within 1% of it with more exact rows is preferred; beyond
+    1% the exact rows do not matter."""
+    names = [c.name for c in CANDIDATES]          # C32-w0.50-e0.00 ... C16-w0.88-e0.45
+    nll = dict.fromkeys(names, 3.5)
+    assert choose([{"split": n, "nll": nll[n]} for n in names], 260) == "C32-w0.50-e0.25"   # all tied: most exact
+    far = {**nll, "C16-w0.88-e0.00": 3.4}                                        # 10% lower: a clear winner
+    assert choose([{"split": n, "nll": far[n]} for n in names], 260) == "C16-w0.88-e0.00"
+    near = {**far, "C16-w0.88-e0.45": 3.4 + math.log(1.009)}                     # within 1%, 16 exact rows
+    assert choose([{"split": n, "nll": near[n]} for n in names], 260) == "C16-w0.88-e0.45"
+    out = {**far, "C16-w0.88-e0.45": 3.4 + math.log(1.011)}                      # just beyond 1%
+    assert choose([{"split": n, "nll": out[n]} for n in names], 260) == "C16-w0.88-e0.00"
+
+
 def test_calibrate_picks_the_lowest_loss_and_leaves_the_model_alone():
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -49,8 +64,9 @@ def test_calibrate_picks_the_lowest_loss_and_leaves_the_model_alone():
     chosen = calibrate(model, 48, convert=convert_hf, windows=ids, candidates=cands, progress=False)
     rec = chosen.pop("calibration")
     assert [c["split"] for c in rec["candidates"]] == [c.name for c in cands]
-    best = min(rec["candidates"], key=lambda c: c["tail_ppl"])
-    assert rec["chosen"] == best["split"]
+    best = next(c for c in rec["candidates"] if c["split"] == choose(
+        [{"split": c["split"], "nll": math.log(c["tail_ppl"])} for c in rec["candidates"]], 48, cands))
+    assert rec["chosen"] == best["split"] and "most exact rows" in rec["rule"]
     assert chosen == split_settings(next(c for c in cands if c.name == best["split"]), 48)
     # the recorded loss is the converted model's on the tokens past the kept keys
     from kvmeans.pretrained.arms import token_nll
