@@ -155,7 +155,8 @@ def register() -> None:
 def kvm_hf_overrides(model_dir, spec) -> dict:
     """``hf_overrides`` that serve a plain transformers folder converted on the fly: ``{"architectures": [ours],
     "kvm_conversion": {...}}`` with the settings ``kvmeans.convert_hf(model, **spec)`` would store (``spec``: a
-    ``--kvm`` string or convert_hf's keyword arguments). The weights are the folder's own (training-free)."""
+    ``--kvm`` string or convert_hf's keyword arguments; ``"auto"``: calibrated on the folder's weights, with
+    ``exact_scope="layer"`` unless given). The weights are the folder's own (training-free)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -169,7 +170,15 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     arch = MODEL_TYPES.get(config.model_type)
     if arch is None:
         raise ValueError(f"serving KVM supports model_type in {sorted(MODEL_TYPES)}, got {config.model_type!r}")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    convert_hf(model, **settings)
+    if settings.get("calibrate", not any(k != "layers" for k in settings)):     # convert_hf's own rule
+        # the automatic setting: the calibration reads the weights (minutes on CPU); vLLM serves the per-layer
+        # reserve ranking only (docs/serving.md), so that is the default here
+        from kvmeans.models.load import load_hf_tokenizer
+        settings = {"exact_scope": "layer", **settings, "calibrate": True}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        convert_hf(model, tokenizer=load_hf_tokenizer(str(model_dir)), **settings)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        convert_hf(model, **settings)
     return {"architectures": [SERVED[arch]], CONFIG_KEY: dict(getattr(model.config, CONFIG_KEY))}

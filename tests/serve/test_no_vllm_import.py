@@ -29,3 +29,26 @@ def test_native_folders_are_refused_with_what_serves_them(tmp_path):
     refuse_native("HuggingFaceTB/SmolLM2-135M")
     (tmp_path / "config.json").write_text("[1, 2]")
     refuse_native(tmp_path)
+
+
+def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir):
+    """``kvmeans serve --kvm auto``: the overrides carry the split calibrated on the folder's own weights (as
+    ``convert_hf(model)`` on the loaded model would store it) with the per-layer ranking vLLM serves; a plain spec
+    converts on the meta device, unchanged."""
+    import pytest
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvmeans.pretrained.convert import convert_hf
+    from kvmeans.serve.vllm_plugin import kvm_hf_overrides
+    got = kvm_hf_overrides(llama_dir, "auto")
+    conv = got["kvm_conversion"]
+    assert got["architectures"] == ["KVMeansLlamaForCausalLM"] and conv["exact_scope"] == "layer"
+    want = convert_hf(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval(),
+                      calibrate=True, exact_scope="layer").config.kvm_conversion
+    assert conv["calibration"]["chosen"] == want["calibration"]["chosen"]
+    assert {k: v for k, v in conv.items() if k != "calibration"} == {k: v for k, v in want.items()
+                                                                     if k != "calibration"}
+    plain = kvm_hf_overrides(llama_dir, "budget=16,chunk_len=8,n_bswa_chunks=2,sink_len=2")["kvm_conversion"]
+    assert plain["budget"] == 16 and "calibration" not in plain and plain["exact_scope"] == "model"
