@@ -356,6 +356,13 @@ def _prepare_cache(self, *args, **kwargs):
     return result
 
 
+def calibrates(settings: dict) -> bool:
+    """Whether ``convert_hf(model, **settings)`` runs the calibration pass: ``calibrate=True``, or ``calibrate``
+    not given (``None``) and no setting besides ``layers`` (what ``parse_kvm_spec("auto")`` and ``""`` give)."""
+    rest = [k for k in settings if k not in ("layers", "calibrate", "calibration", "tokenizer")]
+    return bool(settings.get("calibrate")) or (settings.get("calibrate") is None and not rest)
+
+
 def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: Optional[bool] = None,
                calibration=None, tokenizer=None, **settings):
     """Give ``model`` (a transformers causal LM of a family in ``FAMILIES``) training-free KVM attention in
@@ -380,7 +387,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     record = None
-    if calibrate or (calibrate is None and not settings):      # after the cheap checks: it takes minutes
+    if calibrates({**settings, "calibrate": calibrate}):      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
         _check_rope_read(cfg, settings.get("rope_mode", "pre_rope_fixed" if FAMILIES[family] else "none"))

@@ -38,7 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmeans.models.reference_checkpoint import OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE
-from kvmeans.pretrained.convert import CONFIG_KEY, KVMSpec, _attention_layers, convert_hf, parse_kvm_spec
+from kvmeans.pretrained.convert import (
+    CONFIG_KEY,
+    KVMSpec,
+    _attention_layers,
+    calibrates,
+    convert_hf,
+    parse_kvm_spec,
+)
 from kvmeans.pretrained.distill_data import training_sequences
 from kvmeans.train.checkpoint import (
     latest_checkpoint,
@@ -203,11 +210,8 @@ class Distiller:
         if self.out.exists() and not self.out.is_dir():
             raise ConfigError(f"--out {self.out} is a file; choose a folder")
         settings = student_spec(cfg.kvm)
-        auto = bool(settings.get("calibrate"))     # the split is known after the calibration pass: checked then
-        if not auto:
-            cfg.check(KVMSpec(**{k: v for k, v in settings.items() if k != "layers"}), self.rt.world)
-        else:
-            cfg.check(None, self.rt.world)
+        auto = calibrates(settings)         # the split is known after the calibration pass: checked then
+        cfg.check(None if auto else KVMSpec(**{k: v for k, v in settings.items() if k != "layers"}), self.rt.world)
         ckpt = self._resume_file(resume)
         from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 
-from kvmeans.pretrained.ppl import documents
+from kvmeans.pretrained.ppl import documents, window_slots
 
 __all__ = ["data_sources", "heldout_documents", "training_sequences"]
 
@@ -22,7 +22,7 @@ Source = Union[str, Sequence[str]]
 def heldout_documents(token_docs: List[List[int]], n: int, length: int, seed: int) -> List[int]:
     """Indices of the documents holding the ``n`` eval windows of ``length`` tokens that ``text_windows(...,
     n, length, seed)`` draws from these tokenized documents (the same slots and the same RNG draw)."""
-    slots = [(i, s) for i, ids in enumerate(token_docs) for s in range(0, len(ids) - length + 1, length)]
+    slots = window_slots(token_docs, length)
     if len(slots) < n:
         raise ValueError(f"the data holds {len(slots)} windows of {length} tokens, fewer than the {n} held out; "
                          "lower --holdout-windows or --holdout-length, or add text")
@@ -55,8 +55,7 @@ def training_sequences(tokenizer, source: Source, seq_len: int,
     held: Dict[str, List[int]] = {}
     for label, src in data_sources(source):
         docs = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in documents(src)]
-        slots = sum(max(0, (len(ids) - length) // length + 1) for ids in docs) if n > 0 else 0
-        held[label] = heldout_documents(docs, n, length, seed) if n > 0 and slots >= n else []
+        held[label] = heldout_documents(docs, n, length, seed) if 0 < n <= len(window_slots(docs, length)) else []
         seqs += [ids[s:s + seq_len] for i, ids in enumerate(docs) if i not in held[label]
                  for s in range(0, len(ids) - seq_len + 1, seq_len)]
     if not seqs:

@@ -33,8 +33,8 @@ import torch
 from kvmeans.pretrained.arms import Arm, perplexity, run_windows, streaming_mask, token_nll
 from kvmeans.utils.args import UsageError
 
-__all__ = ["Arm", "documents", "text_windows", "sample_windows", "streaming_mask", "token_nll", "perplexity",
-           "parse_arms", "evaluate"]
+__all__ = ["Arm", "documents", "text_windows", "sample_windows", "window_slots", "streaming_mask", "token_nll",
+           "perplexity", "parse_arms", "evaluate"]
 
 
 def documents(source: Union[str, Sequence[Union[str, Path]]] = "shakespeare") -> List[str]:
@@ -64,11 +64,16 @@ def text_windows(tokenizer, source: Union[str, Sequence[Union[str, Path]]] = "sh
     return sample_windows(docs, n, length, seed)
 
 
+def window_slots(docs: Sequence[Sequence[int]], length: int) -> List[tuple]:
+    """``[(document, start), ...]``: every aligned ``length``-token window inside the token-id documents ``docs``."""
+    return [(i, s) for i, ids in enumerate(docs) for s in range(0, len(ids) - length + 1, length)]
+
+
 def sample_windows(docs: Sequence[Sequence[int]], n: int, length: int, seed: int = 0, where: str = "the source",
                    fix: str = "lower --windows or --length, or add text") -> torch.Tensor:
     """``[n, length]`` ids: ``n`` of the aligned ``length``-token windows inside the token-id documents ``docs``,
     chosen by ``seed`` (in document order); a ``ValueError`` naming ``where`` and ``fix`` when there are fewer."""
-    slots = [(i, s) for i, ids in enumerate(docs) for s in range(0, len(ids) - length + 1, length)]
+    slots = window_slots(docs, length)
     if len(slots) < n:
         raise ValueError(f"{where} holds {len(slots)} windows of {length} tokens, fewer than n={n}; {fix}")
     chosen = sorted(random.Random(seed).sample(slots, n))

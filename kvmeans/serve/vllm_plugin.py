@@ -160,7 +160,7 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvmeans.pretrained.convert import CONFIG_KEY, convert_hf, parse_kvm_spec
+    from kvmeans.pretrained.convert import CONFIG_KEY, calibrates, convert_hf, parse_kvm_spec
 
     settings = parse_kvm_spec(spec) if isinstance(spec, str) else dict(spec)
     config = AutoConfig.from_pretrained(model_dir)
@@ -170,7 +170,7 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     arch = MODEL_TYPES.get(config.model_type)
     if arch is None:
         raise ValueError(f"serving KVM supports model_type in {sorted(MODEL_TYPES)}, got {config.model_type!r}")
-    if settings.get("calibrate", not any(k != "layers" for k in settings)):     # convert_hf's own rule
+    if calibrates(settings):
         # the automatic setting: the calibration reads the weights (minutes on CPU); vLLM serves the per-layer
         # reserve ranking only (docs/serving.md), so that is the default here
         from kvmeans.models.load import load_hf_tokenizer

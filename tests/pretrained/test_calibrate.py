@@ -1,5 +1,5 @@
 """convert_hf(model) with no settings: the calibration pass (kvmeans.pretrained.calibrate) picks the split of the
-kept keys with the lowest loss, records it, and a saved model reloads with it."""
+kept keys with the lowest loss (near ties: the most exact rows), records it, and a saved model reloads with it."""
 import json
 import math
 
@@ -56,7 +56,7 @@ def test_choose_breaks_near_ties_by_exact_rows():
     assert choose([{"split": n, "nll": out[n]} for n in names], 260) == "C16-w0.88-e0.00"
 
 
-def test_calibrate_picks_the_lowest_loss_and_leaves_the_model_alone():
+def test_calibrate_keeps_the_rules_choice_and_leaves_the_model_alone():
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 97, (2, 160), generator=torch.Generator().manual_seed(1))
