@@ -7,6 +7,9 @@ config.json carries ``kvm_conversion`` (a ``kvmeans.convert_hf`` + ``save_pretra
 ``architectures`` entry (``LlamaForCausalLM``, ...) is read as ``KVMeansLlamaForCausalLM``. Folders without
 ``kvm_conversion`` are untouched. ``hf_overrides={"architectures": ["KVMeansLlamaForCausalLM"], "kvm_conversion":
 {...}}`` does the same by hand (:func:`kvm_hf_overrides` builds it for a plain folder and a spec).
+
+Native folders (``KVMForCausalLM``: ``model_type`` kvmeans, or the authors' rwkv7backbone layout) are served by
+``kvmeans.serve.vllm_native.KVMNativeForCausalLM``, registered under the architecture their config.json names.
 """
 from __future__ import annotations
 
@@ -35,12 +38,9 @@ def conversion_spec(hf_config) -> Tuple[list, "object"]:
     return list(layers), KVMSpec.from_dict(settings)
 
 
-def _refusals(vllm_config) -> None:
-    """What the KVM layers cannot serve yet is refused here, at start-up, with the reason."""
+def _engine_refusals(vllm_config, where: str) -> None:
+    """What no KVM model can be served with yet (converted or native), refused with the reason."""
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
-    cfg = model_config.hf_text_config
-    layers, spec = conversion_spec(cfg)
-    where = f"kvmeans: serving {model_config.model} with KVM layers"
     if cache_config.enable_prefix_caching:
         raise ValueError(f"{where}: prefix caching is not supported (a KVM state cannot be rebuilt from cached "
                          "blocks of another request); drop --enable-prefix-caching")
@@ -49,10 +49,19 @@ def _refusals(vllm_config) -> None:
                          "state rolled back); drop the speculative config")
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ValueError(f"{where}: tensor / pipeline parallelism is not supported (the reserve ranks tokens over "
-                         "all kv heads and layers); use one device")
+        raise ValueError(f"{where}: tensor / pipeline parallelism is not supported (a request's KVM state is "
+                         "read and merged whole, over all its kv heads, on one device); use one device")
     if getattr(model_config, "model_impl", "auto") == "transformers":
         raise ValueError(f"{where}: --model-impl transformers is not supported; use the default (vLLM's own code)")
+
+
+def _refusals(vllm_config) -> None:
+    """What the KVM layers of a converted folder cannot serve yet is refused here, at start-up, with the reason."""
+    model_config = vllm_config.model_config
+    cfg = model_config.hf_text_config
+    layers, spec = conversion_spec(cfg)
+    where = f"kvmeans: serving {model_config.model} with KVM layers"
+    _engine_refusals(vllm_config, where)
     n_layers = cfg.num_hidden_layers
     if sorted(layers) != list(range(n_layers)):
         raise ValueError(f"{where}: kvm_conversion converts layers {layers} of {n_layers}; serving keeps no paged "
@@ -71,18 +80,22 @@ def _refusals(vllm_config) -> None:
         raise ValueError(f"{where}: rope_mode={spec.rope_mode!r} is not served (the families served rotate q/k)")
 
 
-def _config_class():
+def _config_class(native: bool = False):
     from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
 
     class KVMServeConfig(VerifyAndUpdateConfig):
-        """Start-up checks and settings of a KVM-converted model in vLLM: refusals (prefix caching, speculative
-        decoding, parallelism, partial conversion), eager mode (the layers run Python per request), and the state
-        slot sized for ``max_model_len`` (``MambaModelConfig``: one state block per request)."""
+        """Start-up checks and settings of a KVM model in vLLM: refusals (prefix caching, speculative decoding,
+        parallelism; for converted folders also partial conversion and what their layers do not serve), eager
+        mode (the layers run Python per request), and the state slot sized for ``max_model_len``
+        (``MambaModelConfig``: one state block per request)."""
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
-            _refusals(vllm_config)
             model_config = vllm_config.model_config
+            if native:
+                _engine_refusals(vllm_config, f"kvmeans: serving the native KVM model {model_config.model}")
+            else:
+                _refusals(vllm_config)
             if not model_config.enforce_eager:
                 log.warning("kvmeans: KVM layers run in eager mode (no torch.compile / CUDA graphs): enforce_eager "
                             "set to True")
@@ -93,25 +106,8 @@ def _config_class():
 
 
 NATIVE_TYPES = ("kvmeans", "rwkv7backbone")     # KVMForCausalLM's config.json and the authors' checkpoints
-
-
-def refuse_native(model) -> None:
-    """A native KVM model folder (``KVMForCausalLM``: ``model_type`` kvmeans, or the authors' rwkv7backbone) is
-    refused with the reason and what serves it instead: the plugin serves converted folders only so far."""
-    import json
-    from pathlib import Path
-
-    path = Path(str(model)) / "config.json"
-    try:
-        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return                                  # not a local folder with a readable config: vLLM decides
-    if model_type in NATIVE_TYPES:
-        raise ValueError(f"kvmeans: {model} is a native KVM model (model_type {model_type!r}, KVMForCausalLM); the "
-                         "vLLM plugin serves converted transformers folders (kvmeans.convert_hf + save_pretrained, "
-                         "Llama / Mistral / Qwen2 / Qwen3) only so far. Generate with transformers instead "
-                         "(`kvmeans generate --model DIR --prompt ...`, or "
-                         "KVMForCausalLM.from_pretrained(DIR).generate)")
+# the architecture a native folder's config.json names -> the class serving it (kvmeans.serve.vllm_native)
+NATIVE = {"KVMForCausalLM": "KVMNativeForCausalLM", "RWKV7BackboneForCausalLM": "KVMNativeForCausalLM"}
 
 
 def _patch_get_config() -> None:
@@ -124,11 +120,15 @@ def _patch_get_config() -> None:
 
     @functools.wraps(original)
     def get_config(*args, **kwargs):
-        refuse_native(args[0] if args else kwargs.get("model"))
         config = original(*args, **kwargs)
         archs = list(getattr(config, "architectures", None) or [])
         if getattr(config, "kvm_conversion", None) and archs and archs[0] in SERVED:
             config.architectures = [SERVED[archs[0]]]
+        elif getattr(config, "model_type", None) in NATIVE_TYPES:
+            if not (archs and archs[0] in NATIVE):
+                config.architectures = ["KVMForCausalLM"]
+            if getattr(config, "num_kv_heads", 0) is None:      # "as many as query heads": vLLM wants the count
+                config.num_kv_heads = config.num_heads
         return config
 
     get_config._kvmeans = True
@@ -140,11 +140,17 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    config_cls = _config_class()
+    import kvmeans.models.hf  # noqa: F401  (registers model_type kvmeans / rwkv7backbone with AutoConfig)
+
+    config_cls, native_cls = _config_class(), _config_class(native=True)
     for ours in SERVED.values():
         if ours not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(ours, f"kvmeans.serve.vllm_model:{ours}")
         MODELS_CONFIG_MAP[ours] = config_cls
+    for arch, ours in NATIVE.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, f"kvmeans.serve.vllm_native:{ours}")
+        MODELS_CONFIG_MAP[arch] = native_cls
     try:
         _patch_get_config()
     except (ImportError, AttributeError) as err:       # another vLLM layout: hf_overrides still works
@@ -167,6 +173,9 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     if getattr(config, CONFIG_KEY, None):
         raise ValueError(f"{model_dir} is converted already (its config.json has {CONFIG_KEY!r}); serve it without "
                          "a spec")
+    if config.model_type in NATIVE_TYPES:
+        raise ValueError(f"{model_dir} is a native KVM model (model_type {config.model_type!r}): it is served as it "
+                         "is; drop the spec (--kvm)")
     arch = MODEL_TYPES.get(config.model_type)
     if arch is None:
         raise ValueError(f"serving KVM supports model_type in {sorted(MODEL_TYPES)}, got {config.model_type!r}")

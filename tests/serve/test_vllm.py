@@ -1,5 +1,6 @@
 """KVM models served by vLLM (kvmeans.serve, docs/serving.md): real generation on CPU with SmolLM2-135M (Llama)
-and Qwen2.5-Coder-0.5B (Qwen2) from ``kvmeans models fetch``, and tiny random Qwen3 / Llama folders.
+and Qwen2.5-Coder-0.5B (Qwen2) from ``kvmeans models fetch``, tiny random Qwen3 / Llama folders, and tiny native
+KVMForCausalLM folders (ours and the authors' layout).
 
 Marked ``vllm`` (not in the default run) and skipped without vLLM: ``pytest -m vllm tests/serve`` in an
 environment with the vllm extra (docs/serving.md). Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
@@ -255,13 +256,62 @@ def test_partial_conversion_is_refused(tmp_path):
     gc.collect()
 
 
-def test_native_kvm_folder_is_refused(tmp_path):
-    """A saved KVMForCausalLM folder: refused before vLLM reads it, naming what serves it."""
+# ---- native KVM models (KVMForCausalLM folders) -----------------------------------------------------------------
+NATIVE = dict(vocab_size=256, hidden_size=64, num_heads=4, num_kv_heads=2, chunk_len=8, n_bswa_chunks=2, sink_len=2,
+              swa_window=12, budget={"kind": "fixed", "n": 12})
+NATIVE_CASES = {
+    "kvm": dict(num_layers=2),
+    # a growing budget beside full and sliding-window layers (slots sized for max_model_len), softcapped logits
+    "hybrid-sqrt": dict(num_layers=3, mixer_types=["kvm", "full", "swa"], logit_softcap=30.0,
+                        budget={"kind": "power_law", "factor": 2.0}),
+    "rwkv7": dict(num_layers=2, mixer="rwkv7", num_kv_heads=None, rwkv7_chunk_size=8),
+}
+
+
+def _native(folder, case):
     from kvmeans import KVMConfig, KVMForCausalLM
-    KVMForCausalLM(KVMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4)).save_pretrained(
-        tmp_path / "native")
-    with pytest.raises(Exception, match="native KVM model .*kvmeans generate"):
-        _engine(tmp_path / "native", skip_tokenizer_init=True)
+    torch.manual_seed(0)
+    model = KVMForCausalLM(KVMConfig(**{**NATIVE, **NATIVE_CASES[case]}, eos_token_id=0)).eval()
+    with torch.no_grad():                   # sharper than the near-zero init: greedy tokens far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("case", sorted(NATIVE_CASES))
+def test_native_model_equals_transformers(tmp_path, case):
+    """A native KVMForCausalLM folder served as it is: greedy tokens equal transformers' generation, with prompts
+    several times the window, chunked prefill (64-token steps) and more requests than max_num_seqs (slot reuse)."""
+    folder = _native(tmp_path / case, case)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in LENGTHS]
+    llm = _engine(folder, skip_tokenizer_init=True, max_num_seqs=2, max_num_batched_tokens=64)
+    got = _greedy(llm, prompts)
+    _release(llm)
+    from kvmeans import KVMForCausalLM
+    assert got == _hf_greedy(KVMForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), prompts)
+
+
+def test_authors_layout_is_served(tmp_path):
+    """The authors' rwkv7backbone layout (bf16 tensors, their names): mapped at load as KVMForCausalLM maps it."""
+    from kvmeans import KVMForCausalLM
+    from kvmeans.models.reference_checkpoint import build_tiny_reference_checkpoint
+    folder = tmp_path / "authors"
+    cfg = build_tiny_reference_checkpoint(folder)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, cfg["vocab_size"], (n,), generator=g).tolist() for n in (70, 41)]
+    llm = _engine(folder, skip_tokenizer_init=True)
+    got = _greedy(llm, prompts)
+    _release(llm)
+    assert got == _hf_greedy(KVMForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), prompts)
+
+
+def test_native_refusals_at_start_up(tmp_path):
+    folder = _native(tmp_path / "kvm", "kvm")
+    with pytest.raises(Exception, match="prefix caching is not supported"):
+        _engine(folder, skip_tokenizer_init=True, enable_prefix_caching=True)
     gc.collect()
 
 

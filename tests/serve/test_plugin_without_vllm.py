@@ -1,34 +1,17 @@
-"""The core package never imports vLLM (default suite; docs/serving.md): importing kvmeans, kvmeans.serve, the
-plugin module and the `kvmeans serve` command leaves vllm out of sys.modules."""
+"""The serving code that runs without vLLM (default suite; docs/serving.md): importing kvmeans, kvmeans.serve, the
+plugin module and the `kvmeans serve` command leaves vllm out of sys.modules; the plugin's overrides for a plain
+folder."""
 import subprocess
 import sys
 
 
 def test_core_package_does_not_import_vllm():
-    code = ("import sys, kvmeans, kvmeans.serve, kvmeans.serve.state_slots, kvmeans.serve.vllm_plugin, "
+    code = ("import sys, kvmeans, kvmeans.serve, kvmeans.serve.state_slots, kvmeans.serve.native_slots, "
+            "kvmeans.serve.vllm_plugin, "
             "kvmeans.cli, kvmeans.cli.serve; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-
-
-def test_native_folders_are_refused_with_what_serves_them(tmp_path):
-    """The plugin's config hook refuses a native KVMForCausalLM folder (ours or the authors') before vLLM reads it,
-    naming what serves it; other folders and non-folder names pass through to vLLM."""
-    import json
-
-    import pytest
-
-    from kvmeans.serve.vllm_plugin import refuse_native
-    for model_type in ("kvmeans", "rwkv7backbone"):
-        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-        with pytest.raises(ValueError, match=rf"native KVM model \(model_type '{model_type}'.*kvmeans generate"):
-            refuse_native(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "kvm_conversion": {}}))
-    refuse_native(tmp_path)
-    refuse_native("HuggingFaceTB/SmolLM2-135M")
-    (tmp_path / "config.json").write_text("[1, 2]")
-    refuse_native(tmp_path)
 
 
 def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir):
@@ -52,3 +35,14 @@ def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir)
                                                                      if k != "calibration"}
     plain = kvm_hf_overrides(llama_dir, "budget=16,chunk_len=8,n_bswa_chunks=2,sink_len=2")["kvm_conversion"]
     assert plain["budget"] == 16 and "calibration" not in plain and plain["exact_scope"] == "model"
+
+
+def test_a_spec_for_a_native_folder_is_refused(tmp_path):
+    """`kvmeans serve --model NATIVE --kvm SPEC`: a native folder is served as it is, so a spec is an error."""
+    import pytest
+    pytest.importorskip("transformers")
+    from kvmeans import KVMConfig, KVMForCausalLM
+    from kvmeans.serve.vllm_plugin import kvm_hf_overrides
+    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="native KVM model .*drop the spec"):
+        kvm_hf_overrides(tmp_path, "budget=32")
