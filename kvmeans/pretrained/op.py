@@ -208,21 +208,29 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             st.reserve_score = st.count.new_full((B, H, exact_rows), float("-inf"))
         st.covered = chunk_len
     pool_budget = (lambda n: max(0, budget(n) - exact_rows)) if exact_rows else budget
+    ones = None
     for start in range(max(st.covered, chunk_len), target, chunk_len):   # schedule.plan_updates, one step at a time
         rows = st.count.shape[-1]
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
         lo = start - base
         bk, bv = _state_keys(st, lo, lo + chunk_len, acc, rope), st.buf_v[..., lo:lo + chunk_len, :].to(acc)
         sel = F.normalize(bk, dim=-1)
-        weight = torch.ones_like(sel[..., 0], dtype=st.count.dtype) if gate is None else gate[..., lo:lo + chunk_len, 0]
-        if gate is not None:
+        if gate is None:                # never written: one tensor of ones serves every block
+            if ones is None:
+                ones = torch.ones_like(sel[..., 0], dtype=st.count.dtype)
+            weight = ones
+        else:
+            weight = gate[..., lo:lo + chunk_len, 0]
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
+        pool_hat = F.normalize(st.key_sum, dim=-1)     # the pool as it stands: scored against and routed into
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
+            slot_hat = F.normalize(st.reserve_key, dim=-1)
             if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
                 score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
             else:
-                score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score)
+                score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score, pool_hat=pool_hat,
+                                     slot_hat=slot_hat)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
             kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
@@ -236,11 +244,17 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             n_new = novel_rows
             dest = route_novel(st.key_sum, sel, n_new, sink_len)
         else:
-            dest, _ = route_overflow(F.normalize(st.key_sum, dim=-1), sel, sel, n_new, sink_len)
-        pad = (0, 0, 0, max(n_new, 0))
-        st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bk), bk)
-        st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, dest.unsqueeze(-1).expand_as(bv), bv)
-        st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, weight)
+            dest, _ = route_overflow(pool_hat, sel, sel, n_new, sink_len)
+        idx = dest.unsqueeze(-1)
+        if n_new > 0:                   # new rows: the sums grow, then take the block (new tensors: see copy())
+            pad = (0, 0, 0, n_new)
+            st.key_sum = F.pad(st.key_sum, pad).scatter_add_(-2, idx.expand_as(bk), bk)
+            st.value_sum = F.pad(st.value_sum, pad).scatter_add_(-2, idx.expand_as(bv), bv)
+            st.count = F.pad(st.count, pad[2:]).scatter_add_(-1, dest, weight)
+        else:                           # out of place: the same additions on a copy, without the pad's copy
+            st.key_sum = st.key_sum.scatter_add(-2, idx.expand_as(bk), bk)
+            st.value_sum = st.value_sum.scatter_add(-2, idx.expand_as(bv), bv)
+            st.count = st.count.scatter_add(-1, dest, weight)
     st.covered = target
 
 

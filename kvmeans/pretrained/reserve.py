@@ -11,7 +11,7 @@ and are filled first, in position order, so which slots are filled depends on po
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +22,18 @@ Rows = Tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 @torch.no_grad()
-def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score: Tensor) -> Tensor:
+def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score: Tensor,
+                 pool_hat: Optional[Tensor] = None, slot_hat: Optional[Tensor] = None) -> Tensor:
     """``[B, Hkv, C]``: minus the highest cosine of each block token ``sel [B, Hkv, C, D]`` (normalised keys) to
-    the pool rows ``[B, Hkv, m, D]`` and the filled slots ``[B, Hkv, R, D]``, averaged over the kv heads."""
-    rows = F.normalize(torch.cat((pool_key_sum, slot_key), -2), dim=-1)
-    empty = F.pad(slot_score.isneginf(), (pool_key_sum.shape[-2], 0))
-    sim = (sel @ rows.transpose(-1, -2)).masked_fill(empty.unsqueeze(-2), float("-inf"))
+    the pool rows ``[B, Hkv, m, D]`` and the filled slots ``[B, Hkv, R, D]``, averaged over the kv heads.
+    ``pool_hat`` / ``slot_hat``: those rows normalised already (the caller's, reused for routing)."""
+    pool_hat = F.normalize(pool_key_sum, dim=-1) if pool_hat is None else pool_hat
+    slot_hat = F.normalize(slot_key, dim=-1) if slot_hat is None else slot_hat
+    rows = torch.cat((pool_hat, slot_hat), -2)          # normalising is row-wise: as normalising the join
+    sim = sel @ rows.transpose(-1, -2)
+    empty = slot_score.isneginf()
+    if bool(empty.any()):                       # slots fill first: once all are full, nothing is masked
+        sim = sim.masked_fill(F.pad(empty, (pool_hat.shape[-2], 0)).unsqueeze(-2), float("-inf"))
     return (-sim.amax(-1)).mean(1, keepdim=True).expand(sel.shape[:-1])
 
 
