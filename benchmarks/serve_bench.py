@@ -33,6 +33,8 @@ DEFAULT_KVM = "budget=fixed:132,chunk_len=32,n_bswa_chunks=4,sink_len=4,exact_ro
 def worker(job: dict) -> dict:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{job['cache_gib']:g}"          # vLLM reads an integer number of GiB
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if job.get("allow_long"):                   # a context beyond the model's trained length: speed, not quality
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     import torch
     import vllm
     from vllm.inputs import TokensPrompt
@@ -96,6 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", nargs="*", default=["full", "kvm"], choices=["full", "kvm"])
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine run")
+    ap.add_argument("--allow-long", action="store_true",
+                    help="let max_model_len exceed the model's trained context (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): "
+                         "memory and speed do not depend on it, the tokens past it are not meaningful")
     ap.add_argument("--out", type=Path, default=None, help="write results.json here")
     a = ap.parse_args(argv)
     if a.worker:
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
         return 0
     if not a.model:
         ap.error("--model is required")
-    base = dict(model=str(Path(a.model).expanduser()), dtype=a.dtype, cache_gib=a.cache_gib)
+    base = dict(model=str(Path(a.model).expanduser()), dtype=a.dtype, cache_gib=a.cache_gib, allow_long=a.allow_long)
     rows = []
     settings = {k: v for k, v in vars(a).items() if k not in ("worker", "out")}
 
