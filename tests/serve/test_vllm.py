@@ -225,7 +225,8 @@ def _tiny(family, out, spec, layers="all", seed=0):
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=1024, initializer_range=0.2)
-    cfg = (tf.Qwen3Config(head_dim=16, **common) if family == "qwen3" else tf.LlamaConfig(**common))
+    cfg = {"qwen3": lambda: tf.Qwen3Config(head_dim=16, **common), "mistral": lambda: tf.MistralConfig(**common),
+           "llama": lambda: tf.LlamaConfig(**common)}[family]()
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     kvmeans.convert_hf(model, layers=layers, **kvmeans.parse_kvm_spec(spec))
     with torch.no_grad():                  # a "distilled" read-out: away from the training-free values
@@ -247,6 +248,18 @@ def test_qwen3_learned_readout_equals_transformers(tmp_path):
     _release(llm)
     ref = _hf_greedy(kvmeans.load_converted(folder, dtype=torch.float32).eval(), prompts)
     assert got == ref
+
+
+def test_mistral_equals_transformers(tmp_path):
+    """A tiny Mistral (served by vLLM's Llama code; the KVM window replaces its sliding window) converted and saved:
+    greedy tokens equal load_converted's."""
+    folder = _tiny("mistral", tmp_path / "mistral", SPEC, seed=3)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (120, 75)]
+    llm = _engine(folder, skip_tokenizer_init=True)
+    got = _greedy(llm, prompts)
+    _release(llm)
+    assert got == _hf_greedy(kvmeans.load_converted(folder, dtype=torch.float32).eval(), prompts)
 
 
 def test_partial_conversion_is_refused(tmp_path):
