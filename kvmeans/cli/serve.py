@@ -58,6 +58,17 @@ def _vllm_version_under_its_name() -> None:
     metadata.version = version
 
 
+def _is_native(model: str) -> bool:
+    """Whether ``model`` is a native KVM folder (``KVMForCausalLM``, ours or the authors' layout)."""
+    from pathlib import Path
+
+    from kvmeans.serve.vllm_plugin import NATIVE_TYPES
+    try:
+        return json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("model_type") in NATIVE_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="kvmeans serve", description=__doc__.split("\n\n")[1].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,6 +78,9 @@ def main(argv: List[str]) -> int:
                    "budget=128,chunk_len=32,n_bswa_chunks=4,sink_len=4 (kvmeans.parse_kvm_spec)")
     a, rest = p.parse_known_args(argv)
     check_model_dir(a.model)
+    if _is_native(a.model) and not any(r == "--max-model-len" or r.startswith("--max-model-len=") for r in rest):
+        raise UsageError(f"{a.model} is a native KVM model, whose config has no positional limit: pass "
+                         "--max-model-len N (each request's state slot is sized for it)")
     missing = _vllm_missing()
     if missing:
         raise UsageError(missing)

@@ -46,3 +46,16 @@ def test_a_spec_for_a_native_folder_is_refused(tmp_path):
     KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="native KVM model .*drop the spec"):
         kvm_hf_overrides(tmp_path, "budget=32")
+
+
+def test_serve_asks_a_native_folder_for_its_max_model_len(tmp_path):
+    """`kvmeans serve --model NATIVE` without --max-model-len: a usage error before vLLM is looked for (a native
+    config has no positional limit, and the slots are sized by it)."""
+    import pytest
+    pytest.importorskip("transformers")
+    from kvmeans import KVMConfig, KVMForCausalLM
+    from kvmeans.cli.serve import main
+    from kvmeans.utils.args import UsageError
+    KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="native KVM model.*--max-model-len"):
+        main(["--model", str(tmp_path)])
