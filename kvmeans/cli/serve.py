@@ -62,11 +62,12 @@ def _is_native(model: str) -> bool:
     """Whether ``model`` is a native KVM folder (``KVMForCausalLM``, ours or the authors' layout)."""
     from pathlib import Path
 
-    from kvmeans.serve.vllm_plugin import NATIVE_TYPES
+    from kvmeans.models.reference_checkpoint import NATIVE_MODEL_TYPES
     try:
-        return json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("model_type") in NATIVE_TYPES
+        model_type = json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError):
         return False
+    return model_type in NATIVE_MODEL_TYPES
 
 
 def main(argv: List[str]) -> int:

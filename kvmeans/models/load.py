@@ -40,8 +40,8 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
     import json
 
     from kvmeans.models.config import with_budget
-    from kvmeans.models.hf import KVMConfig, KVMForCausalLM
-    from kvmeans.models.reference_checkpoint import REFERENCE_MODEL_TYPE
+    from kvmeans.models.hf import KVMForCausalLM
+    from kvmeans.models.reference_checkpoint import NATIVE_MODEL_TYPES
     from kvmeans.pretrained.convert import CONFIG_KEY, convert_hf, load_converted
     from kvmeans.utils.weights import named_weight_errors
     try:
@@ -54,7 +54,7 @@ def load_model(model_dir: str, dtype, device, kvm: Optional[dict] = None, budget
         hint = (f"a training run's folder: its model is {final}" if os.path.isfile(os.path.join(final, "config.json"))
                 else "give the folder of a saved model (e.g. OUT/final of kvmeans train)")
         raise UsageError(f"--model {model_dir}: config.json has no model_type, so it is no saved model; {hint}")
-    native = raw.get("model_type") in (KVMConfig.model_type, REFERENCE_MODEL_TYPE)
+    native = raw.get("model_type") in NATIVE_MODEL_TYPES
     if kvm is not None and (native or raw.get(CONFIG_KEY)):
         why = "is a KVM model already" if native else f"is converted already (config.json {CONFIG_KEY})"
         raise UsageError(f"--kvm: {model_dir} {why}; drop --kvm")

@@ -37,11 +37,12 @@ __all__ = ["reference_config_to_ours", "is_reference_checkpoint", "load_referenc
            "reference_parameter_shapes", "kvmeans_parameter_shapes", "map_reference_state_dict",
            "convert_reference_checkpoint", "read_converted_checkpoint", "build_tiny_reference_checkpoint",
            "with_numerics",
-           "FORMAT_VERSION", "TOKENIZER_FILES"]
+           "FORMAT_VERSION", "TOKENIZER_FILES", "NATIVE_MODEL_TYPES"]
 
 PathLike = Union[str, os.PathLike]
 FORMAT_VERSION = 1
 OUR_MODEL_TYPE = "kvmeans"
+NATIVE_MODEL_TYPES = (OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE)    # a native KVM folder's config.json: ours, the authors'
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                    "special_tokens_map.json")
 # Required even though their dataclass has defaults: the defaults are not what the paper models use

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvmeans.models.reference_checkpoint import OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE
+from kvmeans.models.reference_checkpoint import NATIVE_MODEL_TYPES
 from kvmeans.pretrained.convert import (
     CONFIG_KEY,
     KVMSpec,
@@ -220,7 +220,7 @@ class Distiller:
             raise ConfigError(f"--teacher {cfg.teacher}: no config.json there; give a transformers model folder "
                               "(e.g. from `kvmeans models fetch smollm2-135m`)")
         teacher_type = json.loads((Path(cfg.teacher) / "config.json").read_text()).get("model_type")
-        if teacher_type in (OUR_MODEL_TYPE, REFERENCE_MODEL_TYPE):
+        if teacher_type in NATIVE_MODEL_TYPES:
             raise ConfigError(f"--teacher {cfg.teacher} is a KVM-native model; distill converts a plain transformers "
                               "model (e.g. from `kvmeans models fetch smollm2-135m`)")
         self.tokenizer = load_hf_tokenizer(cfg.teacher, "--teacher")

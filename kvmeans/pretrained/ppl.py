@@ -116,11 +116,10 @@ def _saved_conversion(model_dir: str, kvm: Optional[dict]) -> Optional[dict]:
     run its weights unconverted and the arm ``kvm:saved`` the saved conversion; a KVM-native folder is refused."""
     import json
 
-    from kvmeans.models.hf import KVMConfig
-    from kvmeans.models.reference_checkpoint import REFERENCE_MODEL_TYPE
+    from kvmeans.models.reference_checkpoint import NATIVE_MODEL_TYPES
     from kvmeans.pretrained.convert import CONFIG_KEY
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    if raw.get("model_type") in (KVMConfig.model_type, REFERENCE_MODEL_TYPE):
+    if raw.get("model_type") in NATIVE_MODEL_TYPES:
         raise UsageError(f"--model {model_dir} is a KVM-native model; eval ppl compares attention arms of a plain "
                          "transformers model (use `kvmeans eval position-loss` for KVM-native models)")
     if raw.get(CONFIG_KEY) and kvm is not None:

@@ -32,7 +32,8 @@ def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score
     rows = torch.cat((pool_hat, slot_hat), -2)          # normalising is row-wise: as normalising the join
     sim = sel @ rows.transpose(-1, -2)
     empty = slot_score.isneginf()
-    if bool(empty.any()):                       # slots fill first: once all are full, nothing is masked
+    # slots fill first: once all are full nothing is masked (a CPU check; on a GPU the mask is cheaper than a sync)
+    if empty.device.type != "cpu" or bool(empty.any()):
         sim = sim.masked_fill(F.pad(empty, (pool_hat.shape[-2], 0)).unsqueeze(-2), float("-inf"))
     return (-sim.amax(-1)).mean(1, keepdim=True).expand(sel.shape[:-1])
 

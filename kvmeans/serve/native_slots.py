@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import List
+from typing import Callable, List
 
 import torch
 from torch import Tensor
@@ -62,8 +62,24 @@ def _compact(st):
     return out
 
 
-def _state_tensors(st) -> List[str]:
-    return [f.name for f in dataclasses.fields(st) if isinstance(getattr(st, f.name), Tensor)]
+def _map_leaves(cache: ModelCache, kind: type, leaf: Callable, state: Callable, other: Callable = lambda v: v):
+    """A copy of ``cache`` whose ``kind`` leaves (tensors or ``_Ref``: a layer state's fields, its ``extras``
+    values, the MLP shift rows) are ``leaf(x)``; each layer state is first replaced by ``state(st)`` (a copy the
+    walk may change) and its other ``extras`` values by ``other(v)``."""
+    out = copy.copy(cache)
+    out.layers = []
+    for st in cache.layers:
+        if st is not None:
+            st = state(st)
+            for f in dataclasses.fields(st):
+                value = getattr(st, f.name)
+                if isinstance(value, kind):
+                    setattr(st, f.name, leaf(value))
+            st.extras = {k: leaf(v) if isinstance(v, kind) else other(v) for k, v in st.extras.items()}
+        out.layers.append(st)
+    out.mlp_shift = [None if t is None else leaf(t) for t in cache.mlp_shift]
+    out.mixers = list(cache.mixers)
+    return out
 
 
 def pack_cache(cache: ModelCache, slot: Tensor) -> ModelCache:
@@ -89,19 +105,7 @@ def pack_cache(cache: ModelCache, slot: Tensor) -> ModelCache:
         offset += nbytes + pad
         return r
 
-    skeleton = copy.copy(cache)
-    skeleton.layers = []
-    for st in cache.layers:
-        if st is None:
-            skeleton.layers.append(None)
-            continue
-        st = _compact(st)
-        for name in _state_tensors(st):
-            setattr(st, name, ref(getattr(st, name)))
-        st.extras = {k: ref(v) if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in st.extras.items()}
-        skeleton.layers.append(st)
-    skeleton.mlp_shift = [None if t is None else ref(t) for t in cache.mlp_shift]
-    skeleton.mixers = list(cache.mixers)
+    skeleton = _map_leaves(cache, Tensor, ref, _compact, copy.deepcopy)
     if offset > slot.numel():
         raise RuntimeError(f"native KVM cache of {offset:,} bytes does not fit its slot of {slot.numel():,} bytes "
                            f"(seen {cache.seen_tokens} tokens): the slot is sized for max_model_len")
@@ -115,33 +119,18 @@ def unpack_cache(skeleton: ModelCache, slot: Tensor) -> ModelCache:
     """The cache of :func:`pack_cache`'s skeleton, its tensors views of ``slot``."""
 
     def view(r: _Ref) -> Tensor:
-        n = math.prod(r.shape) * torch.empty((), dtype=r.dtype).element_size()
+        n = math.prod(r.shape) * r.dtype.itemsize
         if n == 0:
             return torch.empty(r.shape, dtype=r.dtype, device=slot.device)
         return slot[r.offset:r.offset + n].view(r.dtype).view(r.shape)
 
-    cache = copy.copy(skeleton)
-    cache.layers = []
-    for st in skeleton.layers:
-        if st is None:
-            cache.layers.append(None)
-            continue
-        st = copy.copy(st)
-        for f in dataclasses.fields(st):
-            value = getattr(st, f.name)
-            if isinstance(value, _Ref):
-                setattr(st, f.name, view(value))
-        st.extras = {k: view(v) if isinstance(v, _Ref) else v for k, v in st.extras.items()}
-        cache.layers.append(st)
-    cache.mlp_shift = [None if r is None else view(r) for r in skeleton.mlp_shift]
-    cache.mixers = list(skeleton.mixers)
-    return cache
+    return _map_leaves(skeleton, _Ref, view, copy.copy)
 
 
 def slot_bytes(config, max_len: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the largest packed cache of one sequence of at most ``max_len`` tokens for a
     :class:`~kvmeans.models.config.KVMModelConfig` (states in ``dtype``, counts and sums in float32 at least)."""
-    e = max(torch.empty((), dtype=dtype).element_size(), 4)
+    e = max(dtype.itemsize, 4)
     H, Hkv, D, d = config.num_heads, config.kv_heads, config.qk_head_dim, config.hidden_size
     Dv = D                                                  # value heads have the key heads' width
     total = 0

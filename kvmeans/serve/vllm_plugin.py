@@ -17,6 +17,8 @@ import functools
 import logging
 from typing import Tuple
 
+from kvmeans.models.reference_checkpoint import NATIVE_MODEL_TYPES
+
 log = logging.getLogger("kvmeans.serve")
 
 # the family's architecture (config.json) -> ours; each is a class in kvmeans.serve.vllm_model
@@ -105,7 +107,6 @@ def _config_class(native: bool = False):
     return KVMServeConfig
 
 
-NATIVE_TYPES = ("kvmeans", "rwkv7backbone")     # KVMForCausalLM's config.json and the authors' checkpoints
 # the architecture a native folder's config.json names -> the class serving it (kvmeans.serve.vllm_native)
 NATIVE = {"KVMForCausalLM": "KVMNativeForCausalLM", "RWKV7BackboneForCausalLM": "KVMNativeForCausalLM"}
 
@@ -124,7 +125,7 @@ def _patch_get_config() -> None:
         archs = list(getattr(config, "architectures", None) or [])
         if getattr(config, "kvm_conversion", None) and archs and archs[0] in SERVED:
             config.architectures = [SERVED[archs[0]]]
-        elif getattr(config, "model_type", None) in NATIVE_TYPES:
+        elif getattr(config, "model_type", None) in NATIVE_MODEL_TYPES:
             if not (archs and archs[0] in NATIVE):
                 config.architectures = ["KVMForCausalLM"]
             if getattr(config, "num_kv_heads", 0) is None:      # "as many as query heads": vLLM wants the count
@@ -173,7 +174,7 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     if getattr(config, CONFIG_KEY, None):
         raise ValueError(f"{model_dir} is converted already (its config.json has {CONFIG_KEY!r}); serve it without "
                          "a spec")
-    if config.model_type in NATIVE_TYPES:
+    if config.model_type in NATIVE_MODEL_TYPES:
         raise ValueError(f"{model_dir} is a native KVM model (model_type {config.model_type!r}): it is served as it "
                          "is; drop the spec (--kvm)")
     arch = MODEL_TYPES.get(config.model_type)
