@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvmeans.ops.budget import BudgetLike, as_budget
-from kvmeans.ops.routing import route_overflow
+from kvmeans.ops.routing import first_max, route_overflow
 from kvmeans.ops.schedule import bswa_begin, desired_rows
 from kvmeans.pretrained.reserve import block_scores, keep_most_novel
 from kvmeans.pretrained.routing import merge_closest_pairs, route_novel
@@ -158,6 +158,14 @@ class ConvertedKVMState:
                 f"buffered={self.seen - self.covered}, nbytes={self.nbytes})")
 
 
+SLAB_BYTES = 1 << 20    # the logits of one slab of chunks in _attend_chunk_grid: ~1 MB (1-2 MB fastest on CPU)
+
+
+def _unit(x: Tensor) -> Tensor:
+    """``F.normalize(x, dim=-1)``, the same values, without its Python wrappers (called ~4 times per routed block)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
+
+
 def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
     return b if a is None else torch.cat((a, b), dim=dim)
 
@@ -214,7 +222,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
         lo = start - base
         bk, bv = _state_keys(st, lo, lo + chunk_len, acc, rope), st.buf_v[..., lo:lo + chunk_len, :].to(acc)
-        sel = F.normalize(bk, dim=-1)
+        sel = _unit(bk)
         if gate is None:                # never written: one tensor of ones serves every block
             if ones is None:
                 ones = torch.ones_like(sel[..., 0], dtype=st.count.dtype)
@@ -222,10 +230,10 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         else:
             weight = gate[..., lo:lo + chunk_len, 0]
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
-        pool_hat = F.normalize(st.key_sum, dim=-1)     # the pool as it stands: scored against and routed into
+        pool_hat = _unit(st.key_sum)    # the pool as it stands: scored against and routed into
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
-            slot_hat = F.normalize(st.reserve_key, dim=-1)
+            slot_hat = _unit(st.reserve_key)
             if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
                 score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
             else:
@@ -233,16 +241,21 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
                                      slot_hat=slot_hat)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
-            kept, (bk, bv, weight, _) = keep_most_novel(st.reserve, (bk, bv, weight, score), n_out)
-            st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept
+            # the unit keys travel with the candidates (normalising is row-wise: the same as normalising again)
+            kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,), (bk, bv, weight, score, sel),
+                                                             n_out)
+            st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept[:4]
             if not n_out:
                 continue
-            sel, n_new = F.normalize(bk, dim=-1), min(n_new, n_out)
+            n_new = min(n_new, n_out)
         if n_new < novel_rows and rows - sink_len > 2 * novel_rows:
             st.key_sum, st.value_sum, st.count = merge_closest_pairs(st.key_sum, st.value_sum, st.count,
                                                                      novel_rows - n_new, sink_len)
             n_new = novel_rows
             dest = route_novel(st.key_sum, sel, n_new, sink_len)
+        elif n_new <= 0:                # every token merges (a full budget): route_overflow's argmax, nothing else
+            s = min(sink_len, rows)
+            dest = first_max((sel @ pool_hat.transpose(-1, -2))[..., s:])[1] + s
         else:
             dest, _ = route_overflow(pool_hat, sel, sel, n_new, sink_len)
         idx = dest.unsqueeze(-1)
@@ -425,8 +438,12 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     i, l_ = torch.arange(C, device=q.device), torch.arange(L, device=q.device)
     kpos = p0 + C * torch.arange(nc, device=q.device)[:, None, None] + l_          # [nc, 1, L]
     masked = ((l_[None, :] - i[:, None] > L - C) | (kpos < 0)).repeat(1, G, 1)    # [nc, G*C, L]
-    logits = _softcap(torch.matmul(qg, kw.transpose(-1, -2)) * scaling, softcap).masked_fill(masked, float("-inf"))
+    def window_logits(c):                          # the chunks c (a slice) against their windows
+        lg = _softcap(torch.matmul(qg[:, :, c], kw[:, :, c].transpose(-1, -2)) * scaling, softcap)
+        return lg.masked_fill(masked[c], float("-inf"))
+    logits = None
     if attention_rank:                             # queries of this call only (the grid pads before and after)
+        logits = window_logits(slice(None))
         qpos = c0 * C + C * torch.arange(nc, device=q.device)[:, None] + i                # [nc, C]
         real = ((qpos >= start) & (qpos < start + T)).repeat(1, G).unsqueeze(-1)        # [nc, G*C, 1]
         mass = (_window_mass(logits)[..., :C] * real).sum(-2) / G                        # [B, Hkv, nc, C]
@@ -437,20 +454,29 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
     for c in range(c0, c1):
         _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
         rows.append(state.read_rows())
-    if all(r is None for r in rows):
-        return _from_grid(torch.matmul(torch.softmax(logits, -1), vw), G, off, T, q.dtype)
-    M = max(r[2].shape[-1] for r in rows if r is not None)
-    def stacked(j, like):                          # [B, Hkv, nc, M(, D)], zero rows where a chunk has fewer
-        ts = [like if r is None else r[j].to(dt) for r in rows]
-        return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
-    empty = torch.zeros(B, Hkv, 0, device=q.device, dtype=dt)
-    stacked_rows = (stacked(0, empty.unsqueeze(-1).expand(B, Hkv, 0, D)),
-                    stacked(1, empty.unsqueeze(-1).expand(B, Hkv, 0, all_v.shape[-1])), stacked(2, empty))
-    mean_k, mean_v, bias = _state_read(stacked_rows, dt, state_key_weight, state_key_bias, log_count_bias)
-    qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1)
-    sl = _softcap(torch.matmul(chunks(qs), mean_k.transpose(-1, -2)) * scaling, softcap)
-    p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
-    out = torch.matmul(p[..., :M], mean_v) + torch.matmul(p[..., M:], vw)
+    M = max((r[2].shape[-1] for r in rows if r is not None), default=0)
+    if M:
+        def stacked(j, like):                      # [B, Hkv, nc, M(, D)], zero rows where a chunk has fewer
+            ts = [like if r is None else r[j].to(dt) for r in rows]
+            return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
+        empty = torch.zeros(B, Hkv, 0, device=q.device, dtype=dt)
+        stacked_rows = (stacked(0, empty.unsqueeze(-1).expand(B, Hkv, 0, D)),
+                        stacked(1, empty.unsqueeze(-1).expand(B, Hkv, 0, all_v.shape[-1])), stacked(2, empty))
+        mean_k, mean_v, bias = _state_read(stacked_rows, dt, state_key_weight, state_key_bias, log_count_bias)
+        qs = chunks(q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1))
+    # the attention in slabs of chunks: the logits of a slab stay in the CPU's cache (of all chunks at once they
+    # were ~300 MB per layer for an 8K call, each pass over them from memory); every chunk's result is the same
+    out = qg.new_empty(*qg.shape[:-1], all_v.shape[-1])
+    slab = max(1, SLAB_BYTES // (B * Hkv * qg.shape[-2] * (M + L) * 4))
+    for a in range(0, nc, slab):
+        c = slice(a, min(a + slab, nc))
+        lg = window_logits(c) if logits is None else logits[:, :, c]
+        if not M:
+            out[:, :, c] = torch.matmul(torch.softmax(lg, -1), vw[:, :, c])
+            continue
+        sl = _softcap(torch.matmul(qs[:, :, c], mean_k[:, :, c].transpose(-1, -2)) * scaling, softcap)
+        p = torch.softmax(torch.cat((sl + bias[:, :, c].unsqueeze(-2), lg), -1), -1)
+        out[:, :, c] = torch.matmul(p[..., :M], mean_v[:, :, c]) + torch.matmul(p[..., M:], vw[:, :, c])
     return _from_grid(out, G, off, T, q.dtype)
 
 

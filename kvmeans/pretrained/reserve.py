@@ -38,15 +38,17 @@ def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score
     return (-sim.amax(-1)).mean(1, keepdim=True).expand(sel.shape[:-1])
 
 
-def keep_most_novel(slots: Rows, block: Rows, n_out: int) -> Tuple[Rows, Rows]:
+def keep_most_novel(slots: Tuple[Tensor, ...], block: Tuple[Tensor, ...], n_out: int
+                    ) -> Tuple[Tuple[Tensor, ...], Tuple[Tensor, ...]]:
     """The ``R`` highest scores among ``slots`` (``R`` of them) and ``block`` hold the slots (a stable sort:
     ties to the lower index, slots first); returns ``(slots, out)``, ``out`` the ``n_out`` filled candidates
-    left, in candidate order (the empty ones, last in the sort, are dropped)."""
+    left, in candidate order (the empty ones, last in the sort, are dropped). Both tuples hold ``Rows`` (the
+    score fourth) and may carry further per-candidate fields (``[B, Hkv, n(, D)]``), taken alike."""
     cand = [torch.cat(pair, -2 if pair[0].dim() == 4 else -1) for pair in zip(slots, block)]
     R = slots[3].shape[-1]
     order = torch.sort(cand[3], dim=-1, descending=True, stable=True).indices
     keep, out = order[..., :R], order[..., R:R + n_out].sort(-1).values
-    def take(i):
+    def take(i):                        # a gather per field and part: the slots must not be views of a larger one
         return tuple(t.gather(-1, i) if t.dim() == 3 else t.gather(-2, i.unsqueeze(-1).expand(*i.shape, t.shape[-1]))
                      for t in cand)
     return take(keep), take(out)
