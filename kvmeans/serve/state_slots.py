@@ -11,11 +11,13 @@ the slot needs no positions: the pre-RoPE modes get them back as ``arange(covere
   runs kvmeans' own op (``converted_kvm_attention``) and continues exactly as the transformers path does.
 * :func:`decode_batch`: one new token for many requests at once, read straight from their slots, for the steps
   that route nothing (a token that does not move the window past a chunk boundary; one step in ``chunk_len``
-  does, and goes through the op). It computes what ``converted_kvm_attention``'s one-chunk read computes, with
-  masks for the rows and window tokens a request does not use.
+  does, and goes through the op). It computes what ``converted_kvm_attention``'s one-chunk read computes.
+  The rows' read-out (mean keys, mean values, the log-count bias) changes only when a block is routed, so
+  :func:`store_state` writes it into the slot (``read_*``: the reserve, then the pool rows, then empty rows
+  with bias ``-inf``) and a decode step reads it as it stands: the slot is ~1.5x larger, a step ~3x cheaper.
 
-Slots are never cleared: a request's first call (``seen == 0``) starts a fresh state, and everything past the
-used counts is masked or overwritten, so a reused slot leaks nothing.
+Slots are never cleared: a request's first store (``seen == 0`` before it) overwrites what a step could read
+past the used counts (the read-out's empty rows, the window's unused values), so a reused slot leaks nothing.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class SlotLayout:
         if R:
             out += [("reserve_key", (H, R, D), s), ("reserve_value", (H, R, Dv), s), ("reserve_count", (H, R), s),
                     ("reserve_score", (H, R), s)]
+        out += [("read_key", (H, R + M, D), s), ("read_value", (H, R + M, Dv), s), ("read_bias", (H, R + M), s)]
         out += [("buf_k", (H, L, D), self.dtype), ("buf_v", (H, L, Dv), self.dtype)]
         if self.learned:
             out.append(("buf_g", (H, L), self.dtype))
@@ -142,8 +145,10 @@ def _put(dest: Tensor, src: Tensor) -> None:
         dest.copy_(src)
 
 
-def store_state(slots: Slots, i: int, st: ConvertedKVMState, layout: SlotLayout) -> None:
-    """Write ``st`` (batch 1, after a call of the op) into slot ``i``."""
+def store_state(slots: Slots, i: int, st: ConvertedKVMState, layout: SlotLayout, *, log_count_bias: bool = True,
+                state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None) -> None:
+    """Write ``st`` (batch 1, after a call of the op) into slot ``i``, with the rows' read-out
+    (``_state_read`` with the layer's ``log_count_bias`` and learned ``state_key_*``, as the op reads them)."""
     n = 0 if st.buf_v is None else st.buf_v.shape[-2]
     rows = 0 if st.count is None else st.count.shape[-1]
     if n != st.seen - st.covered:
@@ -151,6 +156,14 @@ def store_state(slots: Slots, i: int, st: ConvertedKVMState, layout: SlotLayout)
     if n > layout.window or rows > layout.rows:
         raise RuntimeError(f"KVM state outgrew its slot: {rows} rows (slot: {layout.rows}), {n} window tokens "
                            f"(slot: {layout.window}); the slot is sized for max_model_len")
+    old_seen, _, old_rows = slots["meta"][i, :3].tolist()
+    if old_seen == 0:                   # a new request: what a decode step reads past its counts, made inert
+        slots["read_key"][i].zero_()
+        slots["read_value"][i].zero_()
+        slots["read_bias"][i].fill_(float("-inf"))
+        slots["buf_v"][i, :, n:].zero_()
+    elif rows < old_rows:
+        raise RuntimeError(f"KVM state: {rows} rows after {old_rows} (a sequence's rows never shrink)")
     if n:
         _put(slots["buf_k"][i, :, :n], st.buf_k[0])
         _put(slots["buf_v"][i, :, :n], st.buf_v[0])
@@ -159,67 +172,64 @@ def store_state(slots: Slots, i: int, st: ConvertedKVMState, layout: SlotLayout)
     if rows:
         for name in ("key_sum", "value_sum", "count"):
             _put(slots[name][i, :, :rows], getattr(st, name)[0])
-        if layout.exact_rows:
+        R = layout.exact_rows
+        if R:
             for name in ("reserve_key", "reserve_value", "reserve_count", "reserve_score"):
                 _put(slots[name][i], getattr(st, name)[0])
+        dt = layout.sum_dtype
+        pool = _state_read((st.key_sum, st.value_sum, st.count), dt, state_key_weight, state_key_bias,
+                           log_count_bias)
+        res = (_state_read(st.reserve[:3], dt, state_key_weight, state_key_bias, log_count_bias) if R else None)
+        for j, name in enumerate(("read_key", "read_value", "read_bias")):
+            dest = slots[name][i]
+            if R:
+                dest[:, :R].copy_(res[j][0])
+            dest[:, R:R + rows].copy_(pool[j][0])
     slots["meta"][i, :3] = torch.tensor([st.seen, st.covered, rows], dtype=torch.int32)
 
 
 def decode_batch(slots: Slots, layout: SlotLayout, idx: Tensor, meta: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                 q_state: Tensor, *, scaling: float, softcap: Optional[float] = None, log_count_bias: bool = True,
-                 gate: Optional[Tensor] = None, state_key_weight: Optional[Tensor] = None,
-                 state_key_bias: Optional[Tensor] = None, state_temp: Optional[Tensor] = None,
+                 q_state: Tensor, *, scaling: float, softcap: Optional[float] = None,
+                 gate: Optional[Tensor] = None, state_temp: Optional[Tensor] = None,
                  window_temp: Optional[Tensor] = None) -> Tensor:
-    """One new token for each of ``N`` requests whose step routes nothing (``bswa_begin(seen + 1) == covered``):
-    append its key/value (and merge gate) to the slot's window, read the rows and the window, advance ``seen``.
+    """One new token for each of ``N`` requests whose step routes nothing (``bswa_begin(seen + 1) == covered``)
+    and that have been stored once (``seen > 0``): append its key/value (and merge gate) to the slot's window,
+    read the rows' stored read-out and the window, advance ``seen``.
 
     ``idx [N]`` slot ids, ``meta [N, 4]`` their counters before the step; ``q [N, H, D]`` (post-RoPE),
     ``k [N, Hkv, D]``, ``v [N, Hkv, Dv]``; ``q_state [N, H, D]`` the query that reads the rows (the pre-RoPE
     modes' rotated query, else ``q``); ``gate [N, Hkv]``. Returns ``[N, H, Dv]`` in ``q``'s dtype: what
-    ``converted_kvm_attention`` returns for the same state and token (``_attend_one_chunk``)."""
+    ``converted_kvm_attention`` returns for the same state and token (``_attend_one_chunk``; the reserve's
+    rows come first in the softmax here, so equal up to rounding)."""
     N, H, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     dev = q.device
     dt = torch.promote_types(q.dtype, torch.float32)
-    seen, covered, rows = meta[:, 0].long(), meta[:, 1].long(), meta[:, 2].long()
-    n_buf = (seen - covered).to(dev)
+    if bool((meta[:, 0] == 0).any()):
+        raise ValueError("decode_batch: a request's first call goes through the op (its slot holds no state yet)")
+    rows = int(meta[:, 2].max())
+    n_buf = (meta[:, 0] - meta[:, 1]).long().to(dev)
     slots["buf_k"][idx, :, n_buf] = k.to(layout.dtype)
     slots["buf_v"][idx, :, n_buf] = v.to(layout.dtype)
     if gate is not None:
         slots["buf_g"][idx, :, n_buf] = gate.to(layout.dtype)
     W = int(n_buf.max()) + 1
-    in_window = torch.arange(W, device=dev) <= n_buf[:, None]                         # [N, W]
     kw = slots["buf_k"][idx, :, :W].to(dt)                                             # [N, Hkv, W, D]
-    vw = slots["buf_v"][idx, :, :W].to(dt).masked_fill(~in_window[:, None, :, None], 0)
+    vw = slots["buf_v"][idx, :, :W].to(dt)     # past a request's own tokens: its older values or zeros, p = 0
     qw = q if window_temp is None else q * window_temp.view(1, H, 1)
     logits = _softcap(torch.matmul(qw.to(dt).reshape(N, Hkv, G, D), kw.transpose(-1, -2)) * scaling, softcap)
-    logits = logits.masked_fill(~in_window[:, None, None, :], float("-inf"))           # [N, Hkv, G, W]
-    M = int(rows.max())
-    if M == 0:
+    logits = logits.masked_fill((torch.arange(W, device=dev) > n_buf[:, None])[:, None, None, :], float("-inf"))
+    if rows == 0:
         out = torch.matmul(torch.softmax(logits, -1), vw)
-        seen_next = seen + 1
     else:
-        parts = [(slots["key_sum"][idx, :, :M], slots["value_sum"][idx, :, :M], slots["count"][idx, :, :M],
-                  (torch.arange(M, device=dev) < rows.to(dev)[:, None]))]
-        if layout.exact_rows:
-            R = layout.exact_rows
-            parts.append((slots["reserve_key"][idx], slots["reserve_value"][idx], slots["reserve_count"][idx],
-                          (rows.to(dev) > 0)[:, None].expand(N, R)))
-        key_sum, value_sum, cnt = (torch.cat([p[j] for p in parts], -1 if j == 2 else -2).to(dt) for j in range(3))
-        used = torch.cat([p[3] for p in parts], -1)[:, None, :]                        # [N, 1, M + R]
-        mean_k, mean_v, bias = _state_read((key_sum, value_sum, cnt.masked_fill(~used, 0)), dt, state_key_weight,
-                                           state_key_bias, log_count_bias)
-        # rows a request does not use hold whatever the slot held (vLLM does not clear it; NaN too): zeroed
-        mean_k, mean_v = (t.masked_fill(~used[..., None], 0) for t in (mean_k, mean_v))
+        RM = layout.exact_rows + rows          # the reserve, then the pool rows; a request's unused: bias -inf
+        mean_k, mean_v, bias = (slots[name][idx, :, :RM] for name in ("read_key", "read_value", "read_bias"))
         qs = q_state if state_temp is None else q_state * state_temp.view(1, H, 1)
         sl = _softcap(torch.matmul(qs.to(dt).reshape(N, Hkv, G, D), mean_k.transpose(-1, -2)) * scaling, softcap)
-        sl = (sl + bias.unsqueeze(-2)).masked_fill(~used[:, :, None, :], float("-inf"))
-        p = torch.softmax(torch.cat((sl, logits), -1), -1)
-        Mr = mean_k.shape[-2]
-        out = torch.matmul(p[..., :Mr], mean_v) + torch.matmul(p[..., Mr:], vw)
-        seen_next = seen + 1
-    slots["meta"][idx, 0] = seen_next.to(torch.int32).to(slots["meta"].device)
+        p = torch.softmax(torch.cat((sl + bias.unsqueeze(-2), logits), -1), -1)
+        out = torch.matmul(p[..., :RM], mean_v) + torch.matmul(p[..., RM:], vw)
+    slots["meta"][idx, 0] = (meta[:, 0] + 1).to(torch.int32).to(slots["meta"].device)
     return out.reshape(N, H, -1).to(q.dtype)
 
 

@@ -73,6 +73,7 @@ class _Plan:
         self.context = [s - (e - a) for s, a, e in zip(seq, self.starts, self.ends)]
         self.num_tokens = qsl[-1]
         self.slot_tensor = md.state_indices_tensor[:n].long()
+        self.memo = {}              # what every layer of this forward computes alike (the decode steps' RoPE)
 
 
 class _Shared:
@@ -166,7 +167,7 @@ class KVMStateLayer(nn.Module, MambaBase):
                 raise RuntimeError(f"KVM layer {self.prefix}: request in slot {slot} has {ctx} tokens computed but "
                                    f"its state has seen {seen} (prefix caching and speculative decoding are not "
                                    "supported)")
-            if e - a == 1 and not needs_routing(seen, covered, spec.chunk_len, spec.n_bswa_chunks):
+            if e - a == 1 and seen and not needs_routing(seen, covered, spec.chunk_len, spec.n_bswa_chunks):
                 fast.append(r)
                 continue
             out[a:e] = self._through_op(slots, slot, q[a:e], k[a:e], v[a:e], seen, learned,
@@ -177,12 +178,15 @@ class KVMStateLayer(nn.Module, MambaBase):
             pos = torch.tensor([counters[r][0] for r in fast], device=q.device)
             q_state = q[rows]
             if shared.pre_rope:
-                cos, sin = shared.rope.positions(pos[:, None], dtype=q.dtype)          # [N, 1, R]
+                key = ("decode_rope", tuple(counters[r][0] for r in fast), q.dtype)
+                if key not in plan.memo:
+                    plan.memo[key] = shared.rope.positions(pos[:, None], dtype=q.dtype)     # [N, 1, R]
+                cos, sin = plan.memo[key]
                 cos_d, sin_d = shared.rope(spec.distance, q)
                 q_state = state_query(q_state[:, :, None], cos[:, None], sin[:, None], cos_d, sin_d)[:, :, 0]
             res = decode_batch(slots, self.layout, idx, meta[idx], q[rows], k[rows], v[rows], q_state,
-                               scaling=self.scaling, softcap=self.softcap, log_count_bias=spec.log_count_bias,
-                               gate=None if gate is None else gate[rows], **learned)
+                               scaling=self.scaling, softcap=self.softcap, gate=None if gate is None else gate[rows],
+                               **{name: learned[name] for name in ("state_temp", "window_temp") if name in learned})
             out[rows] = res.reshape(len(fast), H * Dv).to(out.dtype)
         return out
 
@@ -203,7 +207,8 @@ class KVMStateLayer(nn.Module, MambaBase):
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], st, scaling=self.scaling,
             softcap=self.softcap, **spec.op_kwargs(), merge_gate=None if gate is None else gate.transpose(0, 1)[None],
             **rope, **learned)
-        store_state(slots, slot, st, self.layout)
+        store_state(slots, slot, st, self.layout, log_count_bias=spec.log_count_bias,
+                    **{name: learned[name] for name in ("state_key_weight", "state_key_bias") if name in learned})
         return res[0].transpose(0, 1).reshape(T, -1)
 
 

@@ -37,6 +37,7 @@ def _run(spec, mode, q, k, v, st, T0, gate=None, learned=None, layer_novelty=Non
                                    n_bswa_chunks=spec.n_bswa_chunks, sink_len=spec.sink_len,
                                    rope_mode="none" if mode == "none" else mode, exact_rows=spec.exact_rows,
                                    merge_gate=gate, layer_novelty=layer_novelty, **(learned or {}),
+                                   log_count_bias=spec.log_count_bias,
                                    **{k_: v_ for k_, v_ in _kwargs(spec, mode, T0, T).items()
                                       if not (mode == "post_rope" and k_ in ("cos", "sin"))})
 
@@ -75,6 +76,8 @@ CASES = {
     "exact_rows": (dict(budget=16, chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=6, rope_distance=12),
                    "pre_rope_fixed", False),
     "power_law": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1), "none", False),
+    "no_count_bias": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=3,
+                           log_count_bias=False), "post_rope", False),
     "learned": (dict(budget=12, chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=4, learned=True,
                      rope_distance=10), "pre_rope_fixed", True),
 }
@@ -92,10 +95,12 @@ def test_slots_continue_the_op_exactly(case):
     prompts = [23, 9, 41]
     layout = SlotLayout.for_spec(spec, num_kv_heads=HKV, head_dim=D, max_len=T, dtype=torch.float32)
     slots = layout.allocate(5)
-    slots["key_sum"].fill_(float("nan"))         # a reused slot's leftovers must never be read
-    slots["buf_v"].fill_(float("nan"))
+    for name in ("key_sum", "buf_k", "buf_v", "read_key", "read_value", "read_bias"):
+        slots[name].fill_(float("nan"))          # a reused slot's leftovers must never be read
     slot_of = [3, 0, 4]
     extra = (lambda s, a, b: dict(gate=s[3][:, :, a:b], learned=LEARNED)) if learned else (lambda s, a, b: {})
+    store = dict(log_count_bias=spec.log_count_bias,
+                 **({k_: LEARNED[k_] for k_ in ("state_key_weight", "state_key_bias")} if learned else {}))
     ref_states = [ConvertedKVMState() for _ in seqs]
     ref = [_run(spec, mode, s[0], s[1], s[2], st, 0, **extra(s, 0, T)) for s, st in zip(seqs, ref_states)]
     got = [[] for _ in seqs]
@@ -106,7 +111,7 @@ def test_slots_continue_the_op_exactly(case):
             b = min(P, a + pieces[a % 3])
             st = load_state(slots, slot_of[j], layout, spec.sink_len, mode in ("pre_rope_fixed", "split"))
             got[j].append(_run(spec, mode, s[0][:, :, a:b], s[1][:, :, a:b], s[2][:, :, a:b], st, a, **extra(s, a, b)))
-            store_state(slots, slot_of[j], st, layout)
+            store_state(slots, slot_of[j], st, layout, **store)
             a = b
     n_fast = 0
     for step in range(T - min(prompts)):                  # decode: all sequences still running, batched
@@ -121,7 +126,7 @@ def test_slots_continue_the_op_exactly(case):
                 st = load_state(slots, slot_of[j], layout, spec.sink_len, mode in ("pre_rope_fixed", "split"))
                 got[j].append(_run(spec, mode, s[0][:, :, p:p + 1], s[1][:, :, p:p + 1], s[2][:, :, p:p + 1], st, p,
                                    **extra(s, p, p + 1)))
-                store_state(slots, slot_of[j], st, layout)
+                store_state(slots, slot_of[j], st, layout, **store)
             else:
                 fast.append(j)
         if fast:
@@ -133,7 +138,8 @@ def test_slots_continue_the_op_exactly(case):
             v = torch.cat([seqs[j][2][:, :, prompts[j] + step] for j in fast])
             kw = {}
             if learned:
-                kw = dict(gate=torch.cat([seqs[j][3][:, :, prompts[j] + step] for j in fast]), **LEARNED)
+                kw = dict(gate=torch.cat([seqs[j][3][:, :, prompts[j] + step] for j in fast]),
+                          state_temp=LEARNED["state_temp"], window_temp=LEARNED["window_temp"])
             out = decode_batch(slots, layout, idx, slots["meta"][idx].clone(), q, k, v, _q_state(spec, mode, q, pos),
                                scaling=D ** -0.5, **kw)
             for r, j in enumerate(fast):
@@ -187,11 +193,21 @@ def test_board_ranking_across_layers_through_slots():
     assert len(board) == 0
 
 
+def test_decode_batch_refuses_a_fresh_slot():
+    spec = KVMSpec(budget=12, chunk_len=4, n_bswa_chunks=2, sink_len=1, rope_mode="post_rope")
+    layout = SlotLayout.for_spec(spec, num_kv_heads=HKV, head_dim=D, max_len=64, dtype=torch.float32)
+    slots = layout.allocate(2)
+    q, k, v = torch.randn(1, H, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D)
+    with pytest.raises(ValueError, match="first call goes through the op"):
+        decode_batch(slots, layout, torch.tensor([1]), slots["meta"][[1]], q, k, v, q, scaling=1.0)
+
+
 def test_layout_sizes_and_capacity():
     spec = KVMSpec(budget=128, chunk_len=32, n_bswa_chunks=4, sink_len=4)
     lay = SlotLayout.for_spec(spec, num_kv_heads=3, head_dim=64, max_len=32768, dtype=torch.float32)
     assert (lay.rows, lay.window) == (128, 128)
-    assert lay.nbytes == 16 + 4 * (2 * 3 * 128 * 64 + 3 * 128 + 2 * 3 * 128 * 64)
+    # meta; the rows' sums and counts; their read-out (mean keys, values, bias); the window's keys and values
+    assert lay.nbytes == 16 + 4 * (2 * 3 * 128 * 64 + 3 * 128) * 2 + 4 * 2 * 3 * 128 * 64
     for T in (9, 100, 400, 401):                  # a growing budget: the rows a sequence of max_len tokens reaches
         assert pool_capacity(StateBudget.power_law(2.0), 4, 2, 0, T) == rows_after(StateBudget.power_law(2.0), T, 4, 2)
     assert pool_capacity(100, 32, 4, 0, 64) == 32                            # nothing leaves the window: chunk 1
