@@ -20,6 +20,7 @@ read the state directly, longer ones attend every chunk of queries at once on th
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -241,10 +242,12 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
                                      slot_hat=slot_hat)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
-            # the unit keys travel with the candidates (normalising is row-wise: the same as normalising again)
-            kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,), (bk, bv, weight, score, sel),
-                                                             n_out)
-            st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept[:4]
+            if n_out == chunk_len and bool((score.amax(-1) <= st.reserve_score.amin(-1)).all()):
+                pass            # no token outscores a slot (ties stay with the slots): the sort would keep all
+            else:               # the unit keys travel with the candidates (normalising is row-wise)
+                kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,),
+                                                                 (bk, bv, weight, score, sel), n_out)
+                st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept[:4]
             if not n_out:
                 continue
             n_new = min(n_new, n_out)
@@ -450,18 +453,29 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
         at = (kpos.squeeze(1)[:, :C] - base0).expand_as(mass)                            # buffer index
         ok = (at >= 0) & (at < state.buf_att.shape[-1])
         state.buf_att = state.buf_att.scatter_add(-1, at.where(ok, 0).flatten(2), mass.where(ok, 0).flatten(2))
-    rows = []
+    rows = []                                      # per chunk: the pool's and the reserve's tensors as they stood
     for c in range(c0, c1):
         _advance(state, min((c + 1) * C, start + T), budget, C, n_bswa_chunks, sink_len, **routing)
-        rows.append(state.read_rows())
-    M = max((r[2].shape[-1] for r in rows if r is not None), default=0)
+        rows.append(None if state.count is None else
+                    (state.key_sum, state.value_sum, state.count) + (() if state.reserve_count is None else
+                                                                   state.reserve[:3]))
+    M = max((sum(t.shape[-1] for t in r[2::3]) for r in rows if r is not None), default=0)
+    if M:                                          # [B, Hkv, nc, M(, D)]: zero rows where a chunk has fewer
+        Dv, pieces = all_v.shape[-1], []
+        for n_rows, group in itertools.groupby(rows, key=lambda r: None if r is None else r[2].shape[-1]):
+            group = list(group)                    # consecutive chunks with as many pool rows: stacked at once
+            if n_rows is None:
+                n = len(group)
+                pieces.append((q.new_zeros(B, Hkv, n, M, D, dtype=dt), q.new_zeros(B, Hkv, n, M, Dv, dtype=dt),
+                               q.new_zeros(B, Hkv, n, M, dtype=dt)))
+                continue
+            parts = [torch.stack([r[j] for r in group], 2).to(dt) for j in range(len(group[0]))]
+            joined = [parts[j] if len(parts) == 3 else torch.cat((parts[j], parts[j + 3]), -1 if j == 2 else -2)
+                      for j in range(3)]        # the pool rows then the reserve (ConvertedKVMState.read_rows)
+            pad = M - joined[2].shape[-1]
+            pieces.append(tuple(F.pad(t, (0, 0) * (t.dim() - 4) + (0, pad)) if pad else t for t in joined))
+        stacked_rows = tuple(ps[0] if len(ps) == 1 else torch.cat(ps, 2) for ps in zip(*pieces))
     if M:
-        def stacked(j, like):                      # [B, Hkv, nc, M(, D)], zero rows where a chunk has fewer
-            ts = [like if r is None else r[j].to(dt) for r in rows]
-            return torch.stack([F.pad(t, (0, 0) * (t.dim() - 3) + (0, M - t.shape[2])) for t in ts], 2)
-        empty = torch.zeros(B, Hkv, 0, device=q.device, dtype=dt)
-        stacked_rows = (stacked(0, empty.unsqueeze(-1).expand(B, Hkv, 0, D)),
-                        stacked(1, empty.unsqueeze(-1).expand(B, Hkv, 0, all_v.shape[-1])), stacked(2, empty))
         mean_k, mean_v, bias = _state_read(stacked_rows, dt, state_key_weight, state_key_bias, log_count_bias)
         qs = chunks(q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1))
     # the attention in slabs of chunks: the logits of a slab stay in the CPU's cache (of all chunks at once they
