@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -97,6 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--arms", nargs="*", default=["full", "kvm"], choices=["full", "kvm"])
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="throughput runs per arm, in ABBA order (the arms reversed every other round) so that a "
+                         "machine whose speed drifts during the run slows both arms alike")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine run")
     ap.add_argument("--allow-long", action="store_true",
                     help="let max_model_len exceed the model's trained context (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): "
@@ -124,12 +128,23 @@ def main(argv=None) -> int:
         for L in a.contexts:
             r = run_job({**base, "kvm": a.kvm if arm == "kvm" else None, "max_model_len": L}, a.timeout)
             record({"arm": arm, "what": "capacity", "context": L, **r})
-    for arm in [] if a.skip_throughput else a.arms:
+    if a.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {a.repeats}")
+    order = [arm for rep in range(a.repeats) for arm in (a.arms if rep % 2 == 0 else a.arms[::-1])]
+    for i, arm in enumerate([] if a.skip_throughput else order):
         r = run_job({**base, "kvm": a.kvm if arm == "kvm" else None, "max_model_len": a.prompt_len + a.max_tokens,
                      "max_num_seqs": a.requests, "requests": a.requests, "prompt_len": a.prompt_len,
                      "max_tokens": a.max_tokens}, a.timeout)
-        record({"arm": arm, "what": "throughput", "requests": a.requests, "prompt_len": a.prompt_len,
-                "max_tokens": a.max_tokens, **r})
+        record({"arm": arm, "what": "throughput", "round": i // len(a.arms), "requests": a.requests,
+                "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, **r})
+    by_round = {}
+    for row in rows:
+        if row["what"] == "throughput" and "output_tok_s" in row:
+            by_round.setdefault(row["round"], {})[row["arm"]] = row["output_tok_s"]
+    ratios = [r["kvm"] / r["full"] for r in by_round.values() if r.get("full") and "kvm" in r]
+    if ratios:
+        record({"what": "ratio", "kvm_over_full_output_tok_s": [round(x, 3) for x in ratios],
+                "median": round(statistics.median(ratios), 3)})
     return 0
 
 

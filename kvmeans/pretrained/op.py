@@ -475,7 +475,6 @@ def _attend_chunk_grid(q, q_state, state, base0, start, budget, C, n_bswa_chunks
             pad = M - joined[2].shape[-1]
             pieces.append(tuple(F.pad(t, (0, 0) * (t.dim() - 4) + (0, pad)) if pad else t for t in joined))
         stacked_rows = tuple(ps[0] if len(ps) == 1 else torch.cat(ps, 2) for ps in zip(*pieces))
-    if M:
         mean_k, mean_v, bias = _state_read(stacked_rows, dt, state_key_weight, state_key_bias, log_count_bias)
         qs = chunks(q_state if state_temp is None else q_state * state_temp.view(1, H, 1, 1))
     # the attention in slabs of chunks: the logits of a slab stay in the CPU's cache (of all chunks at once they
