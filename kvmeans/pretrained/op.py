@@ -167,6 +167,13 @@ def _unit(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+def _reserve_holds(score: Tensor, slot_score: Tensor) -> bool:
+    """Whether no token of a block (``score [B, Hkv, C]``) outscores a filled slot (``slot_score [B, Hkv, R]``;
+    ties stay with the slots): then :func:`keep_most_novel` keeps the slots as they are (on CPU only: the
+    check is a host sync, and on a GPU the sort costs less than one)."""
+    return score.device.type == "cpu" and bool((score.amax(-1) <= slot_score.amin(-1)).all())
+
+
 def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
     return b if a is None else torch.cat((a, b), dim=dim)
 
@@ -242,8 +249,8 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
                                      slot_hat=slot_hat)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
-            if n_out == chunk_len and bool((score.amax(-1) <= st.reserve_score.amin(-1)).all()):
-                pass            # no token outscores a slot (ties stay with the slots): the sort would keep all
+            if n_out == chunk_len and _reserve_holds(score, st.reserve_score):
+                pass            # the sort would keep every slot and hand the block on as it is
             else:               # the unit keys travel with the candidates (normalising is row-wise)
                 kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,),
                                                                  (bk, bv, weight, score, sel), n_out)

@@ -119,6 +119,30 @@ def test_the_pool_keeps_the_budget_less_the_reserve_and_no_empty_row():
                                torch.full((2, 2), float(st.covered), dtype=torch.float64))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_block_that_outscores_no_slot_skips_the_sort_bit_for_bit(monkeypatch, gated):
+    """The shortcut (no token of a block scores above a filled slot: the reserve stays as it is) gives what the
+    full sort gives, outputs and state bit for bit, and it is taken for most blocks once the slots hold the most
+    novel tokens seen."""
+    import kvmeans.pretrained.op as op
+    T = 400
+    q, k, v = _qkv(T=T)
+    gate = torch.rand(2, 2, T, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
+    run = dict(scaling=8 ** -0.5, budget=24, chunk_len=8, n_bswa_chunks=2, sink_len=2, rope_mode="none",
+               exact_rows=6, merge_gate=gate if gated else None)
+    taken = []
+    holds = op._reserve_holds
+    monkeypatch.setattr(op, "_reserve_holds", lambda *a: taken.append(holds(*a)) or taken[-1])
+    fast_st = ConvertedKVMState()
+    fast = converted_kvm_attention(q, k, v, fast_st, **run)
+    monkeypatch.setattr(op, "_reserve_holds", lambda *a: False)
+    sort_st = ConvertedKVMState()
+    slow = converted_kvm_attention(q, k, v, sort_st, **run)
+    assert sum(taken) > len(taken) // 2 and not all(taken)
+    assert torch.equal(fast, slow)
+    _assert_same_state(fast_st, sort_st)
+
+
 @pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T,gated", [
     (3, 8, 2, 2, 24, 121, False),
     (12, 8, 2, 0, 24, 121, True),                   # more slots than a chunk: the reserve fills over two blocks
