@@ -139,8 +139,8 @@ def main(argv=None) -> int:
                 "prompt_len": a.prompt_len, "max_tokens": a.max_tokens, **r})
     by_round = {}
     for row in rows:
-        if row["what"] == "throughput" and "output_tok_s" in row:
-            by_round.setdefault(row["round"], {})[row["arm"]] = row["output_tok_s"]
+        if row["what"] == "throughput" and row.get("wall_s"):      # unrounded: output tokens / wall
+            by_round.setdefault(row["round"], {})[row["arm"]] = row["output_tokens"] / row["wall_s"]
     ratios = [r["kvm"] / r["full"] for r in by_round.values() if r.get("full") and "kvm" in r]
     if ratios:
         record({"what": "ratio", "kvm_over_full_output_tok_s": [round(x, 3) for x in ratios],
