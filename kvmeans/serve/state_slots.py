@@ -14,7 +14,7 @@ the slot needs no positions: the pre-RoPE modes get them back as ``arange(covere
   does, and goes through the op). It computes what ``converted_kvm_attention``'s one-chunk read computes.
   The rows' read-out (mean keys, mean values, the log-count bias) changes only when a block is routed, so
   :func:`store_state` writes it into the slot (``read_*``: the reserve, then the pool rows, then empty rows
-  with bias ``-inf``) and a decode step reads it as it stands: the slot is ~1.5x larger, a step ~3x cheaper.
+  with bias ``-inf``) and a decode step reads it as it stands: the slot is ~1.5x larger, a step ~2x cheaper.
 
 Slots are never cleared: a request's first store (``seen == 0`` before it) overwrites what a step could read
 past the used counts (the read-out's empty rows, the window's unused values), so a reused slot leaks nothing.
