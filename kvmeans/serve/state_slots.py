@@ -206,15 +206,16 @@ def decode_batch(slots: Slots, layout: SlotLayout, idx: Tensor, meta: Tensor, q:
     G = H // Hkv
     dev = q.device
     dt = torch.promote_types(q.dtype, torch.float32)
-    if bool((meta[:, 0] == 0).any()):
+    counters = meta[:, :3].tolist()             # one read of the counters (a host sync on a GPU)
+    if any(seen == 0 for seen, _, _ in counters):
         raise ValueError("decode_batch: a request's first call goes through the op (its slot holds no state yet)")
-    rows = int(meta[:, 2].max())
+    rows = max(r for _, _, r in counters)
+    W = max(seen - covered for seen, covered, _ in counters) + 1
     n_buf = (meta[:, 0] - meta[:, 1]).long().to(dev)
     slots["buf_k"][idx, :, n_buf] = k.to(layout.dtype)
     slots["buf_v"][idx, :, n_buf] = v.to(layout.dtype)
     if gate is not None:
         slots["buf_g"][idx, :, n_buf] = gate.to(layout.dtype)
-    W = int(n_buf.max()) + 1
     kw = slots["buf_k"][idx, :, :W].to(dt)                                             # [N, Hkv, W, D]
     vw = slots["buf_v"][idx, :, :W].to(dt)     # past a request's own tokens: its older values or zeros, p = 0
     qw = q if window_temp is None else q * window_temp.view(1, H, 1)
