@@ -63,8 +63,11 @@ def state_query(q: Tensor, cos: Tensor, sin: Tensor, cos_d: Tensor, sin_d: Tenso
     distance (``cos_d``/``sin_d [R]``): ``(R(d) q).k`` equals ``q_rot(p).R(p-d)k``; ``a^2 R(d)`` where the model's
     RoPE carries an attention scaling ``a``."""
     dt = torch.promote_types(q.dtype, torch.float32)
-    a = (cos_d * cos_d + sin_d * sin_d).sqrt()
-    return rotate(unrotate(q.to(dt), cos.to(dt), sin.to(dt)), (cos_d * a).to(dt), (sin_d * a).to(dt))
+    cos, sin, cos_d, sin_d = (t.to(dt) for t in (cos, sin, cos_d, sin_d))
+    # one rotation by d - p, its tables composed at [.., T, R] (heads times fewer values than q): what rotating the
+    # unrotated query by d gives (rotate_half commutes with the tables, whose two halves are equal)
+    scale = (cos_d * cos_d + sin_d * sin_d).sqrt() / (cos * cos + sin * sin)
+    return rotate(q.to(dt), (cos_d * cos + sin_d * sin) * scale, (sin_d * cos - cos_d * sin) * scale)
 
 
 RopeFn = Callable[[Tensor], Tuple[Tensor, Tensor]]        # positions [B, n] -> (cos, sin) [B, n, R]
@@ -167,11 +170,19 @@ def _unit(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _reserve_holds(score: Tensor, slot_score: Tensor) -> bool:
-    """Whether no token of a block (``score [B, Hkv, C]``) outscores a filled slot (``slot_score [B, Hkv, R]``;
-    ties stay with the slots): then :func:`keep_most_novel` keeps the slots as they are (on CPU only: the
-    check is a host sync, and on a GPU the sort costs less than one)."""
-    return score.device.type == "cpu" and bool((score.amax(-1) <= slot_score.amin(-1)).all())
+def _reserve_holds(score: Tensor, weakest: Tensor) -> bool:
+    """Whether no token of a block (``score [B, Hkv, C]``) outscores the weakest filled slot (``weakest [B, Hkv]``,
+    the slots' lowest score; ties stay with the slots): then :func:`keep_most_novel` keeps the slots as they are
+    (on CPU only: the check is a host sync, and on a GPU the sort costs less than one)."""
+    return score.device.type == "cpu" and bool((score.amax(-1) <= weakest).all())
+
+
+def _slot_read(st: ConvertedKVMState) -> Tuple[Tensor, Tensor, Tensor, Optional[bool]]:
+    """What routing reads of the reserve and what changes only with it (most blocks leave it as it is, so
+    :func:`_advance` keeps this until ``st.reserve_key`` is replaced): ``(reserve_key, unit keys, weakest score
+    [B, Hkv], filled)``, ``filled`` whether every slot holds a token (CPU; None on a GPU: no host sync)."""
+    filled = None if st.reserve_score.device.type != "cpu" else not bool(st.reserve_score.isneginf().any())
+    return st.reserve_key, _unit(st.reserve_key), st.reserve_score.amin(-1), filled
 
 
 def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
@@ -224,7 +235,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             st.reserve_score = st.count.new_full((B, H, exact_rows), float("-inf"))
         st.covered = chunk_len
     pool_budget = (lambda n: max(0, budget(n) - exact_rows)) if exact_rows else budget
-    ones = None
+    ones, slots = None, None
     for start in range(max(st.covered, chunk_len), target, chunk_len):   # schedule.plan_updates, one step at a time
         rows = st.count.shape[-1]
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
@@ -241,15 +252,17 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         pool_hat = _unit(st.key_sum)    # the pool as it stands: scored against and routed into
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
             n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
-            slot_hat = _unit(st.reserve_key)
+            if slots is None or slots[0] is not st.reserve_key:
+                slots = _slot_read(st)
+            _, slot_hat, weakest, filled = slots
             if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
                 score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
             else:
                 score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score, pool_hat=pool_hat,
-                                     slot_hat=slot_hat)
+                                     slot_hat=slot_hat, filled=filled)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
-            if n_out == chunk_len and _reserve_holds(score, st.reserve_score):
+            if n_out == chunk_len and _reserve_holds(score, weakest):
                 pass            # the sort would keep every slot and hand the block on as it is
             else:               # the unit keys travel with the candidates (normalising is row-wise)
                 kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,),

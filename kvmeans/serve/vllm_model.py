@@ -91,6 +91,10 @@ class _Shared:
             self._md, self._plan = md, _Plan(md)
         return self._plan
 
+    def plan_memo(self) -> dict:
+        """The current forward's memo (what every layer computes alike)."""
+        return self._plan.memo
+
 
 class KVMStateLayer(nn.Module, MambaBase):
     """A converted layer in vLLM: takes the family's post-RoPE ``q [T, H*D]``, ``k``, ``v [T, Hkv*D]`` of every
@@ -190,6 +194,14 @@ class KVMStateLayer(nn.Module, MambaBase):
             out[rows] = res.reshape(len(fast), H * Dv).to(out.dtype)
         return out
 
+    def _rope_at(self, key: tuple, positions) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The family's ``(cos, sin)`` at ``positions()`` (``[1, n]``), computed once per forward for all layers
+        (``key`` names the positions: a request's tokens and buffer are the same in every layer)."""
+        memo = self.shared.plan_memo()
+        if key not in memo:
+            memo[key] = self.shared.rope.positions(positions(), dtype=key[-1])
+        return memo[key]
+
     def _through_op(self, slots, slot: int, q, k, v, seen: int, learned: dict, gate) -> torch.Tensor:
         """One request's tokens ``q [T, H, D]`` through ``converted_kvm_attention`` on its slot -> ``[T, H*Dv]``."""
         spec, shared = self.shared.spec, self.shared
@@ -198,10 +210,11 @@ class KVMStateLayer(nn.Module, MambaBase):
         rope = {"rope_mode": spec.rope_mode}
         if spec.rope_mode != "none":
             pos = torch.arange(seen, seen + T, device=q.device)[None]
-            rope["cos"], rope["sin"] = shared.rope.positions(pos, dtype=q.dtype)
+            rope["cos"], rope["sin"] = self._rope_at(("tokens", seen, T, q.dtype), lambda: pos)
             if shared.pre_rope:
                 rope["cos_d"], rope["sin_d"] = shared.rope(spec.distance, q)
-                rope["rope"] = functools.partial(shared.rope.positions, dtype=q.dtype)
+                # the op unrotates its buffer, the tokens [seen + T - n, seen + T) in every layer alike
+                rope["rope"] = lambda p: self._rope_at(("buffer", seen, T, p.shape[-1], q.dtype), lambda: p)
                 rope["positions"] = pos
         res = converted_kvm_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], st, scaling=self.scaling,

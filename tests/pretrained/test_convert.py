@@ -215,6 +215,22 @@ def test_unrotate_inverts_scaled_partial_rope():
     torch.testing.assert_close(unrotate(rotate(x, cos, sin), cos, sin), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_state_query_is_the_query_unrotated_then_rotated_by_the_distance(dtype):
+    """One rotation by d - p from composed tables equals the two steps it replaces (scaled, partial rotary)."""
+    from kvmeans.pretrained.op import state_query
+    q = torch.randn(2, 3, 10, 16, dtype=torch.float64)
+    cos_all, sin_all = _rope(20, 8, scale=1.3)
+    cos, sin, d = cos_all[5:15][None, None], sin_all[5:15][None, None], 9
+    a = (cos_all[d] ** 2 + sin_all[d] ** 2).sqrt()
+    want = rotate(unrotate(q, cos, sin), cos_all[d] * a, sin_all[d] * a)
+    got = state_query(q.to(dtype), cos.to(dtype), sin.to(dtype), cos_all[d].to(dtype), sin_all[d].to(dtype))
+    assert got.dtype == torch.promote_types(dtype, torch.float32)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert not torch.allclose(got.double(), q, atol=0.1)        # a rotation happened
+
+
 @pytest.mark.parametrize("mode", ["pre_rope_fixed", "split"])
 def test_state_rows_are_read_at_a_fixed_relative_position(mode):
     """No merges (budget >= T): a state key j is scored as the model would score it at position p - d
