@@ -100,6 +100,7 @@ class ConvertedKVMState:
         self.covered = 0
         self.sink_len = 0
         self.unrotated = None       # the buffer's keys unrotated, within one call (``_state_keys``)
+        self.unit = None            # and normalised (``_unit_keys``)
         for name in self.FIELDS:
             setattr(self, name, None)
 
@@ -201,6 +202,14 @@ def _state_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope:
     return st.unrotated[..., lo:hi, :]
 
 
+def _unit_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: Optional[RopeFn]) -> Tensor:
+    """The unit vectors of :func:`_state_keys` ``[lo, hi)``, what routing scores: the whole buffer's once per call
+    (``st.unit``, dropped with ``st.unrotated``; normalising is row-wise, so each block's rows are the same)."""
+    if st.unit is None:
+        st.unit = _unit(_state_keys(st, 0, st.buf_v.shape[-2], acc, rope))
+    return st.unit[..., lo:hi, :]
+
+
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
              layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None,
@@ -241,7 +250,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
         lo = start - base
         bk, bv = _state_keys(st, lo, lo + chunk_len, acc, rope), st.buf_v[..., lo:lo + chunk_len, :].to(acc)
-        sel = _unit(bk)
+        sel = _unit_keys(st, lo, lo + chunk_len, acc, rope)
         if gate is None:                # never written: one tensor of ones serves every block
             if ones is None:
                 ones = torch.ones_like(sel[..., 0], dtype=st.count.dtype)
@@ -297,7 +306,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
 def _trim(st: ConvertedKVMState) -> None:
     """Drop the merged tokens from the buffer, copying what stays: a view would keep the whole call's keys and
     values alive (the buffer grows from a call's full inputs)."""
-    st.unrotated = None
+    st.unrotated = st.unit = None
     drop = 0 if st.buf_v is None else st.covered - (st.seen - st.buf_v.shape[-2])
     if drop <= 0:
         return
@@ -364,7 +373,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         q_state = q
     base0 = start - (0 if state.buf_v is None else state.buf_v.shape[-2])
     state.buf_k, state.buf_v, state.seen = _cat(state.buf_k, k), _cat(state.buf_v, v), start + T
-    state.unrotated = None
+    state.unrotated = state.unit = None
     if merge_gate is not None:
         state.buf_g = _cat(state.buf_g, merge_gate.unsqueeze(-1))
     attention_rank = bool(exact_rows) and exact_rank == "attention"

@@ -1,5 +1,6 @@
 """Head-parallel CPU prefill (kvmeans.ops.chunk.lanes) == the serial chunked path == naive: outputs, carried state,
 the decode that follows; and it stays off where it must."""
+import os
 import threading
 
 import pytest
@@ -143,6 +144,20 @@ def test_workers_keep_the_callers_thread_count(threads):
     assert seen == [2]
     assert pool.submit(torch.get_num_threads).result() == 1
     assert lanes._workers(2) is pool
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores")
+def test_workers_may_use_every_core_when_their_maker_is_pinned(threads):
+    """A thread inherits its maker's affinity: a pool made by a thread pinned to one core (vLLM pins each OpenMP
+    thread) must not put every worker on that core."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        pool = lanes._workers(4)
+        assert pool.submit(os.sched_getaffinity, 0).result() >= allowed
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def test_grad_calls_never_split(threads, monkeypatch):

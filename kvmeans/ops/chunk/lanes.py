@@ -85,7 +85,9 @@ def _as_worker(fn, *args):
 
 def _workers(threads: int) -> ThreadPoolExecutor:
     """The pool of ``threads`` workers, each with one intra-op thread (made once per thread count and process: a
-    forked child has none of its parent's threads)."""
+    forked child has none of its parent's threads). A worker may run on any core the process may use: a thread
+    inherits its creator's CPU affinity, and an engine that pins each OpenMP thread to one core (vLLM on CPU)
+    would otherwise put every worker on the caller's core."""
     global _pool
     with _pool_lock:
         if _pool is not None and _pool[:2] == (os.getpid(), threads):
@@ -95,6 +97,7 @@ def _workers(threads: int) -> ThreadPoolExecutor:
         ready = threading.Barrier(threads + 1)
 
         def init():
+            _free_affinity()
             torch.get_num_threads()     # the thread's lazy init (it would reset the count on first use)
             torch.set_num_threads(1)
             ready.wait()
@@ -106,6 +109,16 @@ def _workers(threads: int) -> ThreadPoolExecutor:
         torch.set_num_threads(threads)  # the workers' setting also changed the process-wide default: restore it
         _pool = (os.getpid(), threads, pool)
         return pool
+
+
+def _free_affinity() -> None:
+    """Let the calling thread run on every core of the process's cpuset (Linux; elsewhere nothing)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))     # the kernel keeps the cpuset's part of it
+    except OSError:
+        pass
 
 
 def _slice_state(state: KVMState, index) -> KVMState:
