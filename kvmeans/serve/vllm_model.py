@@ -182,10 +182,8 @@ class KVMStateLayer(nn.Module, MambaBase):
             pos = torch.tensor([counters[r][0] for r in fast], device=q.device)
             q_state = q[rows]
             if shared.pre_rope:
-                key = ("decode_rope", tuple(counters[r][0] for r in fast), q.dtype)
-                if key not in plan.memo:
-                    plan.memo[key] = shared.rope.positions(pos[:, None], dtype=q.dtype)     # [N, 1, R]
-                cos, sin = plan.memo[key]
+                cos, sin = self._rope_at(("decode", tuple(counters[r][0] for r in fast), q.dtype),
+                                         lambda: pos[:, None])                                # [N, 1, R]
                 cos_d, sin_d = shared.rope(spec.distance, q)
                 q_state = state_query(q_state[:, :, None], cos[:, None], sin[:, None], cos_d, sin_d)[:, :, 0]
             res = decode_batch(slots, self.layout, idx, meta[idx], q[rows], k[rows], v[rows], q_state,
@@ -195,8 +193,9 @@ class KVMStateLayer(nn.Module, MambaBase):
         return out
 
     def _rope_at(self, key: tuple, positions) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The family's ``(cos, sin)`` at ``positions()`` (``[1, n]``), computed once per forward for all layers
-        (``key`` names the positions: a request's tokens and buffer are the same in every layer)."""
+        """The family's ``(cos, sin)`` at ``positions()`` (``[B, n]``; ``key`` names them and ends with the dtype),
+        computed once per forward for all layers: the decode steps', a request's tokens and its buffer are the same
+        positions in every layer."""
         memo = self.shared.plan_memo()
         if key not in memo:
             memo[key] = self.shared.rope.positions(positions(), dtype=key[-1])
