@@ -45,9 +45,11 @@ def test_split_refuses_too_few_keys():
 def test_choose_breaks_near_ties_by_exact_rows():
     """The lowest tail loss wins, except that a split within 1% of it with more exact rows is preferred; beyond
     1% the exact rows do not matter."""
-    names = [c.name for c in CANDIDATES]          # C32-w0.50-e0.00 ... C16-w0.88-e0.45
+    names = [c.name for c in CANDIDATES]          # C32-w0.50-e0.00 ... C16-w0.75-e0.75
     nll = dict.fromkeys(names, 3.5)
-    assert choose([{"split": n, "nll": nll[n]} for n in names], 260) == "C32-w0.50-e0.25"   # all tied: most exact
+    assert choose([{"split": n, "nll": nll[n]} for n in names], 260) == "C16-w0.75-e0.75"   # all tied: most exact
+    first6 = names[:6]                            # the candidates before C16-w0.75-e0.75 (51 exact rows)
+    assert choose([{"split": n, "nll": nll[n]} for n in first6], 260) == "C32-w0.50-e0.25"
     far = {**nll, "C16-w0.88-e0.00": 3.4}                                        # 10% lower: a clear winner
     assert choose([{"split": n, "nll": far[n]} for n in names], 260) == "C16-w0.88-e0.00"
     near = {**far, "C16-w0.88-e0.45": 3.4 + math.log(1.009)}                     # within 1%, 16 exact rows
