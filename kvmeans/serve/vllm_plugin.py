@@ -68,12 +68,6 @@ def _refusals(vllm_config) -> None:
     if sorted(layers) != list(range(n_layers)):
         raise ValueError(f"{where}: kvm_conversion converts layers {layers} of {n_layers}; serving keeps no paged "
                          "KV cache beside KVM layers yet, so convert every layer (layers='all')")
-    if spec.exact_rows and spec.exact_scope == "model":
-        raise ValueError(f"{where}: exact_scope='model' (the reserve ranks tokens by novelty averaged over the "
-                         "layers) is not served yet: vLLM's q/k differ from transformers' in the last bits, repeated "
-                         "tokens' keys tie in the first layers, and the averaged ranking then keeps other slots (its "
-                         "greedy tokens drifted from the transformers model's in our tests); convert with "
-                         "exact_scope='layer' (--kvm ...,exact_scope=layer) or exact_rows=0")
     if spec.exact_rows and spec.exact_rank != "novelty":
         raise ValueError(f"{where}: exact_rank={spec.exact_rank!r} (the reserve ranks tokens by the attention they "
                          "received in the window) is not served yet (the state slots hold no per-token scores); "
@@ -162,8 +156,8 @@ def register() -> None:
 def kvm_hf_overrides(model_dir, spec) -> dict:
     """``hf_overrides`` that serve a plain transformers folder converted on the fly: ``{"architectures": [ours],
     "kvm_conversion": {...}}`` with the settings ``kvmeans.convert_hf(model, **spec)`` would store (``spec``: a
-    ``--kvm`` string or convert_hf's keyword arguments; ``"auto"``: calibrated on the folder's weights, with
-    ``exact_scope="layer"`` unless given). The weights are the folder's own (training-free)."""
+    ``--kvm`` string or convert_hf's keyword arguments; ``"auto"``: calibrated on the folder's weights). The
+    weights are the folder's own (training-free)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -181,10 +175,9 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     if arch is None:
         raise ValueError(f"serving KVM supports model_type in {sorted(MODEL_TYPES)}, got {config.model_type!r}")
     if calibrates(settings):
-        # the automatic setting: the calibration reads the weights (minutes on CPU); vLLM serves the per-layer
-        # reserve ranking only (docs/serving.md), so that is the default here
+        # the automatic setting: the calibration reads the weights (minutes on CPU)
         from kvmeans.models.load import load_hf_tokenizer
-        settings = {"exact_scope": "layer", **settings, "calibrate": True}
+        settings = {**settings, "calibrate": True}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         convert_hf(model, tokenizer=load_hf_tokenizer(str(model_dir)), **settings)
     else:

@@ -16,7 +16,7 @@ def test_core_package_does_not_import_vllm():
 
 def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir):
     """``kvmeans serve --kvm auto``: the overrides carry the split calibrated on the folder's own weights (as
-    ``convert_hf(model)`` on the loaded model would store it) with the per-layer ranking vLLM serves; a plain spec
+    ``convert_hf(model)`` on the loaded model would store it, the model-wide ranking included); a plain spec
     converts on the meta device, unchanged."""
     import pytest
     pytest.importorskip("transformers")
@@ -27,9 +27,9 @@ def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir)
     from kvmeans.serve.vllm_plugin import kvm_hf_overrides
     got = kvm_hf_overrides(llama_dir, "auto")
     conv = got["kvm_conversion"]
-    assert got["architectures"] == ["KVMeansLlamaForCausalLM"] and conv["exact_scope"] == "layer"
+    assert got["architectures"] == ["KVMeansLlamaForCausalLM"] and conv["exact_scope"] == "model"
     want = convert_hf(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval(),
-                      calibrate=True, exact_scope="layer").config.kvm_conversion
+                      calibrate=True).config.kvm_conversion
     assert conv["calibration"]["chosen"] == want["calibration"]["chosen"]
     assert {k: v for k, v in conv.items() if k != "calibration"} == {k: v for k, v in want.items()
                                                                      if k != "calibration"}

@@ -74,12 +74,17 @@ def _engine(model, **kw):
     return vllm.LLM(**args)
 
 
-def _greedy(llm, prompts, n=NEW):
+def _greedy(llm, prompts, n=NEW, logprobs=False):
+    """Greedy tokens per prompt; with ``logprobs`` also, per prompt and step, ``{token: logprob}`` of the top 2."""
     from vllm.inputs import TokensPrompt
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+                        vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                            logprobs=2 if logprobs else None), use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    if not logprobs:
+        return toks
+    return toks, [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
 
 
 def _release(llm):
@@ -90,17 +95,48 @@ def _release(llm):
 
 
 @torch.no_grad()
-def _hf_greedy(model, prompts, n=NEW):
-    """Greedy tokens of a transformers model (prefill, then one token per call through its cache)."""
-    outs = []
+def _hf_greedy(model, prompts, n=NEW, logprobs=False):
+    """Greedy tokens of a transformers model (prefill, then one token per call through its cache); with
+    ``logprobs`` also the top 2 ``{token: logprob}`` per step, as :func:`_greedy`."""
+    outs, lps = [], []
     for p in prompts:
         out = model(input_ids=torch.tensor([p]), use_cache=True, logits_to_keep=1)
-        toks = [int(out.logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **cache_kwargs(cache_from(out)))
-            toks.append(int(out.logits[0, -1].argmax()))
+        toks, steps = [], []
+        for i in range(n):
+            if i:
+                out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **cache_kwargs(cache_from(out)))
+            logits = out.logits[0, -1]
+            toks.append(int(logits.argmax()))
+            top = torch.log_softmax(logits.double(), -1).topk(2)
+            steps.append({int(t): float(v) for t, v in zip(top.indices, top.values)})
         outs.append(toks)
-    return outs
+        lps.append(steps)
+    return (outs, lps) if logprobs else outs
+
+
+NEAR_TIE = 0.1      # nats
+
+
+def _assert_greedy_agree(got, ref):
+    """``got``, ``ref``: ``(tokens, top-2 logprobs)`` of two engines (:func:`_greedy`, :func:`_hf_greedy`). Token for
+    token, except where both engines face a near tie: at the first step where a prompt's tokens differ, each
+    engine's own pick must lead the other's pick by less than ``NEAR_TIE`` nats in its top 2 (the rest of that
+    prompt then continues differently and is not compared). Why not exact: a compressed state's discrete decisions
+    (routing argmax, the reserve's top-k) amplify last-bit differences of q/k/v (vLLM's fused projections against
+    transformers' separate ones): for SmolLM2 at ``SPEC``, q/k/v times 1 + 1e-7 noise move the first token's top-2
+    gap on the 260-token prompt from 0.224 to 0.263 nats (docs/serving.md#tests). A logic error moves the logits
+    far beyond that and fails here."""
+    (a_toks, a_lps), (b_toks, b_lps) = got, ref
+    assert len(a_toks) == len(b_toks)
+    for p, (a, b) in enumerate(zip(a_toks, b_toks)):
+        assert len(a) == len(b), f"prompt {p}: {len(a)} tokens against {len(b)}"
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        for who, lp, mine, other in (("served", a_lps[p][i], a[i], b[i]), ("reference", b_lps[p][i], b[i], a[i])):
+            assert other in lp and lp[mine] - lp[other] < NEAR_TIE, (
+                f"prompt {p}, step {i}: served {a[i]}, reference {b[i]}; the {who} engine's top 2 {lp} is not a "
+                f"near tie between them (< {NEAR_TIE} nats)")
 
 
 def _prompts(model_dir):
@@ -127,7 +163,7 @@ def smol_converted(tmp_path_factory, smol):
     model.save_pretrained(out)
     tf.AutoTokenizer.from_pretrained(SMOL).save_pretrained(out)
     del model
-    ref = _hf_greedy(kvmeans.load_converted(out, dtype=torch.float32).eval(), smol)
+    ref = _hf_greedy(kvmeans.load_converted(out, dtype=torch.float32).eval(), smol, logprobs=True)
     return out, ref
 
 
@@ -137,8 +173,9 @@ def smol_served(smol_converted, smol):
     sampling test needs."""
     folder, _ = smol_converted
     llm = _engine(folder)
-    res = {"greedy": _greedy(llm, smol), "kvm_layers": len(llm.llm_engine.vllm_config.compilation_config
-                                                          .static_forward_context)}
+    greedy, greedy_lp = _greedy(llm, smol, logprobs=True)
+    res = {"greedy": greedy, "greedy_lp": greedy_lp,
+           "kvm_layers": len(llm.llm_engine.vllm_config.compilation_config.static_forward_context)}
     p = {"prompt_token_ids": smol[2]}
     SP = vllm.SamplingParams
     res["sampled"] = [list(c.token_ids) for c in llm.generate(
@@ -169,20 +206,57 @@ def test_no_merging_equals_stock_vllm(smol):
 
 def test_compressed_equals_converted_transformers_model(smol_converted, smol_served):
     """Prompts 6-16 times the window, 32 rows (8 exact, ranked per layer), pre_rope_fixed: vLLM's greedy tokens
-    equal kvmeans' converted transformers model's, token for token."""
+    equal kvmeans' converted transformers model's, token for token up to a near tie (:func:`_assert_greedy_agree`)."""
     _, ref = smol_converted
     assert smol_served["kvm_layers"] == 30               # every layer's Attention replaced by a KVM state layer
-    assert smol_served["greedy"] == ref
+    _assert_greedy_agree((smol_served["greedy"], smol_served["greedy_lp"]), ref)
+
+
+def test_model_wide_reserve_ranking_equals_transformers(smol):
+    """exact_scope='model' (the default: the reserve ranks a block by its novelty averaged over the layers so far,
+    through one board per engine keyed by the request's slot), prompts in one batch and chunked with slots reused:
+    greedy tokens equal the converted transformers model's up to a near tie, and chunked equals unchunked."""
+    spec = SPEC.replace("exact_scope=layer", "exact_scope=model")
+    model = tf.AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.float32).eval()
+    kvmeans.convert_hf(model, **kvmeans.parse_kvm_spec(spec))
+    ref = _hf_greedy(model, smol, logprobs=True)
+    del model
+    llm = _engine(SMOL, hf_overrides=kvm_hf_overrides(SMOL, spec))
+    got = _greedy(llm, smol, logprobs=True)
+    _release(llm)
+    _assert_greedy_agree(got, ref)
+    llm = _engine(SMOL, hf_overrides=kvm_hf_overrides(SMOL, spec), max_num_batched_tokens=32, max_num_seqs=2,
+                  enable_chunked_prefill=True)
+    chunked = _greedy(llm, smol)
+    _release(llm)
+    assert chunked == got[0]
+
+
+def test_greedy_agree_fails_beyond_a_near_tie():
+    """The comparison above: equal tokens pass; a divergence passes only where both engines' top 2 are near-tied."""
+    lp = lambda a, b, gap: {a: -1.0, b: -1.0 - gap}               # noqa: E731
+    same = ([[1, 2, 3]], [[lp(1, 9, 2), lp(2, 9, 2), lp(3, 9, 2)]])
+    _assert_greedy_agree(same, same)
+    near = ([[1, 2, 4]], [[lp(1, 9, 2), lp(2, 9, 2), lp(4, 3, 0.01)]])
+    _assert_greedy_agree(near, same[:1] + ([[lp(1, 9, 2), lp(2, 9, 2), lp(3, 4, 0.05)]],))
+    for other in ([[lp(1, 9, 2), lp(2, 9, 2), lp(3, 4, 0.5)]],       # the reference's lead is no near tie
+                  [[lp(1, 9, 2), lp(2, 9, 2), lp(3, 8, 0.01)]]):      # the served token is not its runner-up
+        with pytest.raises(AssertionError, match="near tie"):
+            _assert_greedy_agree(near, same[:1] + (other,))
+    with pytest.raises(AssertionError, match="near tie"):           # nor is the served engine's lead
+        _assert_greedy_agree(([[1, 2, 4]], [[lp(1, 9, 2), lp(2, 9, 2), lp(4, 3, 0.5)]]),
+                             same[:1] + ([[lp(1, 9, 2), lp(2, 9, 2), lp(3, 4, 0.05)]],))
 
 
 def test_chunked_prefill_and_slot_reuse(smol_converted, smol_served, smol):
     """max_num_batched_tokens=32 (prompts prefilled in pieces, mixed with other requests' decode steps) and
-    max_num_seqs=2 (5 requests: slots reused): the same tokens as unchunked and as transformers."""
-    folder, ref = smol_converted
+    max_num_seqs=2 (5 requests: slots reused): exactly the tokens of the unchunked engine (the test above compares
+    those with transformers)."""
+    folder, _ = smol_converted
     llm = _engine(folder, max_num_batched_tokens=32, max_num_seqs=2, enable_chunked_prefill=True)
     got = _greedy(llm, smol)
     _release(llm)
-    assert got == smol_served["greedy"] == ref
+    assert got == smol_served["greedy"]
 
 
 def test_sampling_parameters_pass_through(smol_served):
@@ -201,8 +275,6 @@ def test_refusals_at_start_up(smol_converted):
     folder, _ = smol_converted
     with pytest.raises(Exception, match="prefix caching is not supported"):
         _engine(folder, enable_prefix_caching=True)
-    with pytest.raises(Exception, match="exact_scope='model'"):
-        _engine(folder, hf_overrides=kvm_hf_overrides(SMOL, SPEC.replace("exact_scope=layer", "exact_scope=model")))
     with pytest.raises(Exception, match="speculative decoding is not supported"):
         _engine(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     gc.collect()
