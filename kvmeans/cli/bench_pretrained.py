@@ -111,12 +111,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {len(samples)} samples to {out / 'samples.jsonl'}", flush=True)
     if a.samples_only:
         return 0
+    effective: Dict[str, Dict[str, int]] = {}
     if kvm is not None and "kvm" in a.arms:     # every cell's geometry now, not an hour into the run
-        for smp in samples:
-            for r in a.ratios:
-                kvm_settings(kept_keys(smp, r), kvm)
-        if "ppl" in a.benches:
-            kvm_settings(a.ppl_keys, kvm)
+        keys = {kept_keys(smp, r) for smp in samples for r in a.ratios}
+        keys |= {a.ppl_keys} if "ppl" in a.benches else set()
+        for k in sorted(keys):
+            got = kvm_settings(k, kvm)
+            effective[str(k)] = {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"],
+                                 "budget": got["budget"].n, "exact_rows": got.get("exact_rows", 0)}
+            window = got["chunk_len"] * got["n_bswa_chunks"]
+            if (got["chunk_len"], got["n_bswa_chunks"]) != (kvm.get("chunk_len", got["chunk_len"]),
+                                                            kvm.get("n_bswa_chunks", got["n_bswa_chunks"])):
+                print(f"--kvm: at {k} kept keys the window is {got['n_bswa_chunks']} chunks of {got['chunk_len']} "
+                      f"tokens ({window}: at most keys // 2) and the state {got['budget'].n} rows, not the spec's "
+                      "window; give n_bswa_chunks * chunk_len <= keys // 2 to run the spec as written",
+                      file=sys.stderr, flush=True)
     rows: List[Dict[str, Any]] = []
     answers: List[Dict[str, Any]] = []
     for path in a.kvpress_results or []:
@@ -138,6 +147,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = env_info()
     settings = {k: v for k, v in vars(a).items()}
     settings["kvm_settings"] = kvm
+    settings["kvm_effective"] = effective       # per kept keys: what the KVM arm ran (kvm_settings)
     print(format_env(info), flush=True)
     bar = progress_bar(total, not a.no_progress, unit="run")
     tick = bar.update if bar is not None else None

@@ -173,6 +173,19 @@ def test_a_reserve_that_a_cell_cannot_hold_is_refused_before_any_arm_runs(model_
     assert not ran and not (tmp_path / "run" / "bench.json").exists()
 
 
+def test_a_shrunk_window_is_said_and_recorded(model_dir, tmp_path, capsys):
+    """400-token NIAH at 0.75 keeps 99 keys here: a 96-token window is shrunk to 48 (at most keys // 2); the run says
+    so on stderr and records what the KVM arm ran per kept keys in bench.json."""
+    argv = ["--model", str(model_dir), "--out", str(tmp_path / "run"), "--benches", "niah", "--niah-samples", "1",
+            "--niah-length", "400", "--no-progress", "--arms", "kvm", "--max-new-tokens", "2",
+            "--kvm", "chunk_len=8,n_bswa_chunks=12,sink_len=2"]
+    bp_cli.main(argv)
+    assert "--kvm: at 99 kept keys the window is 6 chunks of 8 tokens (48" in capsys.readouterr().err
+    got = json.loads((tmp_path / "run" / "bench.json").read_text())["settings"]["kvm_effective"]
+    assert got == {"99": {"chunk_len": 8, "n_bswa_chunks": 6, "budget": 51, "exact_rows": 0},       # ratio 0.75
+                   "198": {"chunk_len": 8, "n_bswa_chunks": 12, "budget": 102, "exact_rows": 0}}    # 0.5: as given
+
+
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):
     s = bp.niah_samples(tok, n=2, context_tokens=400, seed=0)
     s[1] = {**s[1], "context_ids": s[1]["context_ids"][:350]}
