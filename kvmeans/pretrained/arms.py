@@ -23,7 +23,8 @@ from kvmeans.utils.args import UsageError
 from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Arm", "streaming_mask", "evict", "token_nll", "perplexity", "window_nll", "run_windows",
-           "kvm_kept_keys", "streaming_arm", "converted_arm", "kvm_spec_arm", "saved_arm", "kvm_settings", "kvm_arm",
+           "kvm_kept_keys", "streaming_arm", "converted_arm", "kvm_spec_arm", "saved_arm", "kvm_spec_as_given",
+           "kvm_settings", "kvm_arm",
            "distilled_arm"]
 
 
@@ -154,14 +155,20 @@ def distilled_arm(model, length: int) -> Arm:
     return converted_arm("kvm distilled", model, length)
 
 
+def kvm_spec_as_given(kvm: dict):
+    """The ``KVMSpec`` of ``--kvm`` settings as written (its defaults where not given), without ``layers``,
+    ``budget`` and ``exact_rows``, which :func:`kvm_settings` sets and checks per kept keys."""
+    from kvmeans.pretrained.convert import KVMSpec
+    return KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
+
+
 def kvm_settings(keys: int, kvm: dict) -> dict:
     """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys: ``kvm`` with its window shrunk to at most
     ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed state budget; a
     :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold ``exact_rows``."""
     from kvmeans.ops.budget import StateBudget
     from kvmeans.pretrained.convert import KVMSpec
-    # checked against the budget set below, not KVMSpec's default one
-    spec = KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
+    spec = kvm_spec_as_given(kvm)           # checked against the budget set below, not KVMSpec's default one
     chunk, n = spec.chunk_len, spec.n_bswa_chunks
     while n > 1 and n * chunk > keys // 2:
         n -= 1

@@ -107,8 +107,9 @@ def _hf_greedy(model, prompts, n=NEW, logprobs=False):
                 out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **cache_kwargs(cache_from(out)))
             logits = out.logits[0, -1]
             toks.append(int(logits.argmax()))
-            top = torch.log_softmax(logits.double(), -1).topk(2)
-            steps.append({int(t): float(v) for t, v in zip(top.indices, top.values)})
+            if logprobs:
+                top = torch.log_softmax(logits.double(), -1).topk(2)
+                steps.append({int(t): float(v) for t, v in zip(top.indices, top.values)})
         outs.append(toks)
         lps.append(steps)
     return (outs, lps) if logprobs else outs
