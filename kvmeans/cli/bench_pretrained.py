@@ -25,6 +25,7 @@ from kvmeans.pretrained.bench import (
     tables,
     write_samples,
 )
+from kvmeans.pretrained.calibrate import Split
 from kvmeans.utils.args import UsageError, check_out_dir
 from kvmeans.utils.progress import progress_bar
 
@@ -39,8 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="transformers model folder (e.g. `kvmeans models fetch smollm2-135m`)")
     p.add_argument("--out", required=True, help="folder for samples.jsonl, bench.csv, bench.json")
     p.add_argument("--kvm", default=DEFAULT_KVM, metavar="SPEC", help="training-free KVM settings for "
-                   f"kvmeans.convert_hf (its budget is set to match the kept keys; default {DEFAULT_KVM}); "
-                   "'none': no KVM arm")
+                   f"kvmeans.convert_hf (its budget is set to match the kept keys, its window to at most half of "
+                   f"them; default {DEFAULT_KVM}); 'auto': the split convert_hf(model) calibrates (minutes), spent "
+                   "at each setting's kept keys; 'auto:NAME': that calibration split (e.g. auto:C16-w0.75-e0.75, "
+                   "a calibration record's 'chosen') without calibrating; 'none': no KVM arm")
     p.add_argument("--distilled", metavar="DIR",
                    help="a distilled (saved converted) KVM folder, run at its own settings")
     p.add_argument("--kvpress-results", nargs="+", metavar="FILE", help="kvpress.json files of "
@@ -85,6 +88,54 @@ def _check(p, a) -> None:
             p.error(f"--kvpress-results {path}: no such file; run benchmarks/kvpress/run_kvpress.py first")
 
 
+def _named_split(text: str):
+    """``--kvm auto`` -> ``{"calibrate": True}`` (calibrated once the model is loaded); ``--kvm auto:NAME`` -> that
+    calibration :class:`Split`."""
+    from kvmeans.pretrained.calibrate import CANDIDATES, split_named
+    if text == "auto":
+        return {"calibrate": True}
+    head, _, name = text.partition(":")
+    names = ", ".join(c.name for c in CANDIDATES)
+    if head != "auto" or not name or "," in name:
+        raise UsageError(f"--kvm {text}: 'auto' takes no other settings; give auto, or auto:NAME with NAME one of "
+                         f"{names}")
+    try:
+        return split_named(name)
+    except StopIteration:
+        raise UsageError(f"--kvm {text}: no calibration split called {name!r}; give one of {names}") from None
+
+
+def _calibrated_split(model, tok, needed: bool):
+    """``(Split, calibration record)`` that ``convert_hf(model)`` picks on its built-in text, once for the run."""
+    from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named
+    from kvmeans.pretrained.convert import convert_hf
+    if not needed:
+        return None, None
+    chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN)
+    record = chosen["calibration"]
+    print(f"--kvm auto: calibrated split {record['chosen']} ({record['seconds']} s)", flush=True)
+    return split_named(record["chosen"]), record
+
+
+def _effective(kvm, samples, a) -> Dict[str, Dict[str, int]]:
+    """Per kept keys of the run, what the KVM arm will run (:func:`kvm_settings`): every cell's geometry before the
+    run, not an hour into it; a line on stderr where ``--kvm``'s window is shrunk."""
+    keys = {kept_keys(smp, r) for smp in samples for r in a.ratios}
+    keys |= {a.ppl_keys} if "ppl" in a.benches else set()
+    given = None if isinstance(kvm, Split) else kvm_spec_as_given(kvm)
+    effective = {}
+    for k in sorted(keys):
+        got = kvm_settings(k, kvm)
+        effective[str(k)] = {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"],
+                             "budget": got["budget"].n, "exact_rows": got.get("exact_rows", 0)}
+        if given is not None and (got["chunk_len"], got["n_bswa_chunks"]) != (given.chunk_len, given.n_bswa_chunks):
+            print(f"--kvm: at {k} kept keys the window is {got['n_bswa_chunks']} chunks of {got['chunk_len']} "
+                  f"tokens ({got['n_bswa_chunks'] * got['chunk_len']}: at most keys // 2) and the state "
+                  f"{got['budget'].n} rows, not the spec's window; give n_bswa_chunks * chunk_len <= keys // 2 "
+                  "to run the spec as written", file=sys.stderr, flush=True)
+    return effective
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -93,7 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _check(p, a)
     from kvmeans.models.load import load_hf_tokenizer, load_model
     from kvmeans.utils.args import parse_kvm_arg
-    kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm)
+    kvm = None if a.kvm == "none" else _named_split(a.kvm) if a.kvm.startswith("auto") else parse_kvm_arg(a.kvm)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     from transformers.utils import logging as hf_logging
@@ -111,20 +162,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {len(samples)} samples to {out / 'samples.jsonl'}", flush=True)
     if a.samples_only:
         return 0
-    effective: Dict[str, Dict[str, int]] = {}
-    if kvm is not None and "kvm" in a.arms:     # every cell's geometry now, not an hour into the run
-        keys = {kept_keys(smp, r) for smp in samples for r in a.ratios}
-        keys |= {a.ppl_keys} if "ppl" in a.benches else set()
-        given = kvm_spec_as_given(kvm)
-        for k in sorted(keys):
-            got = kvm_settings(k, kvm)
-            effective[str(k)] = {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"],
-                                 "budget": got["budget"].n, "exact_rows": got.get("exact_rows", 0)}
-            if (got["chunk_len"], got["n_bswa_chunks"]) != (given.chunk_len, given.n_bswa_chunks):
-                print(f"--kvm: at {k} kept keys the window is {got['n_bswa_chunks']} chunks of {got['chunk_len']} "
-                      f"tokens ({got['n_bswa_chunks'] * got['chunk_len']}: at most keys // 2) and the state "
-                      f"{got['budget'].n} rows, not the spec's window; give n_bswa_chunks * chunk_len <= keys // 2 "
-                      "to run the spec as written", file=sys.stderr, flush=True)
     rows: List[Dict[str, Any]] = []
     answers: List[Dict[str, Any]] = []
     for path in a.kvpress_results or []:
@@ -132,6 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows += got[0]
         answers += got[1]
     model = load_model(a.model, torch.float32, "cpu") if a.arms else None
+    calibration = None
+    if kvm is not None and not isinstance(kvm, Split) and kvm.get("calibrate"):
+        kvm, calibration = _calibrated_split(model, tok, "kvm" in a.arms)
+    effective = _effective(kvm, samples, a) if kvm is not None and "kvm" in a.arms else {}
     distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
     if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
         raise UsageError(f"--distilled {a.distilled}: not a converted KVM folder (no kvm_conversion in its "
@@ -145,7 +186,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         len(windows) * a.ppl_windows * (n_one + n_comp)
     info = env_info()
     settings = {k: v for k, v in vars(a).items()}
-    settings["kvm_settings"] = kvm
+    settings["kvm_settings"] = {"auto": kvm.name} if isinstance(kvm, Split) else kvm
+    if calibration is not None:
+        settings["calibration"] = calibration
     settings["kvm_effective"] = effective       # per kept keys: what the KVM arm ran (kvm_settings)
     print(format_env(info), flush=True)
     bar = progress_bar(total, not a.no_progress, unit="run")

@@ -162,12 +162,20 @@ def kvm_spec_as_given(kvm: dict):
     return KVMSpec(**{k: v for k, v in kvm.items() if k not in ("layers", "budget", "exact_rows")})
 
 
-def kvm_settings(keys: int, kvm: dict) -> dict:
-    """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys: ``kvm`` with its window shrunk to at most
-    ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed state budget; a
-    :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold ``exact_rows``."""
+def kvm_settings(keys: int, kvm) -> dict:
+    """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys. ``kvm`` a dict of settings: those with the
+    window shrunk to at most ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed
+    state budget; a :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold
+    ``exact_rows``. ``kvm`` a calibration :class:`~kvmeans.pretrained.calibrate.Split` (``--kvm auto``): the
+    split's shares of ``keys`` as ``convert_hf(model)`` spends them (``calibrate.split_settings``)."""
     from kvmeans.ops.budget import StateBudget
+    from kvmeans.pretrained.calibrate import Split, split_settings
     from kvmeans.pretrained.convert import KVMSpec
+    if isinstance(kvm, Split):
+        try:
+            return split_settings(kvm, keys)
+        except ValueError as err:
+            raise UsageError(f"--kvm auto ({kvm.name}): {err}; drop the shorter lengths / higher ratios") from None
     spec = kvm_spec_as_given(kvm)           # checked against the budget set below, not KVMSpec's default one
     chunk, n = spec.chunk_len, spec.n_bswa_chunks
     while n > 1 and n * chunk > keys // 2:
@@ -186,7 +194,7 @@ def kvm_settings(keys: int, kvm: dict) -> dict:
     return settings
 
 
-def kvm_arm(model, keys: int, kvm: dict) -> Arm:
+def kvm_arm(model, keys: int, kvm) -> Arm:
     """Training-free KVM at ``keys`` kept keys on a converted copy of ``model`` (:func:`kvm_settings`)."""
     from kvmeans.pretrained.convert import convert_hf
     return Arm("kvm", convert_hf(copy_sharing_weights(model), **kvm_settings(keys, kvm)), keys)

@@ -186,6 +186,38 @@ def test_a_shrunk_window_is_said_and_recorded(model_dir, tmp_path, capsys):
                    "198": {"chunk_len": 8, "n_bswa_chunks": 12, "budget": 102, "exact_rows": 0}}    # 0.5: as given
 
 
+def test_kvm_auto_spends_a_calibration_split_at_each_kept_keys_without_shrinking(model_dir, tmp_path, capsys):
+    """``--kvm auto:NAME`` runs the split's shares of each cell's kept keys as convert_hf(model) would (a 0.75
+    window, not at most half); ``--kvm auto`` calibrates once on the built-in text and records the pick."""
+    from kvmeans.pretrained.calibrate import split_named, split_settings
+    common = ["--model", str(model_dir), "--benches", "niah", "--niah-samples", "1", "--niah-length", "400",
+              "--no-progress", "--arms", "kvm", "--max-new-tokens", "2"]
+    bp_cli.main(common + ["--out", str(tmp_path / "named"), "--kvm", "auto:C16-w0.75-e0.75"])
+    assert "--kvm:" not in capsys.readouterr().err
+    res = json.loads((tmp_path / "named" / "bench.json").read_text())
+    split = split_named("C16-w0.75-e0.75")
+    for keys, got in res["settings"]["kvm_effective"].items():
+        want = split_settings(split, int(keys))
+        assert got == {"chunk_len": 16, "n_bswa_chunks": want["n_bswa_chunks"], "budget": want["budget"].n,
+                       "exact_rows": want["exact_rows"]}
+    assert res["settings"]["kvm_effective"]["198"]["n_bswa_chunks"] * 16 == 144 > 198 // 2
+    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75"}
+    conv = [a for a in res["answers"] if a["ratio"] == 0.5][0]
+    assert conv["kept_keys"] == 198
+    bp_cli.main(common + ["--out", str(tmp_path / "cal"), "--kvm", "auto", "--ratios", "0.5"])
+    res = json.loads((tmp_path / "cal" / "bench.json").read_text())
+    chosen = res["settings"]["calibration"]["chosen"]
+    assert len(res["settings"]["calibration"]["candidates"]) == 7
+    want = split_settings(split_named(chosen), 198)
+    assert res["settings"]["kvm_effective"]["198"]["budget"] == want["budget"].n
+    assert res["settings"]["kvm_settings"] == {"auto": chosen}
+    for bad, msg in (("auto:C99-w0.10-e0.00", "no calibration split called 'C99-w0.10-e0.00'; give one of C32"),
+                     ("auto:C16-w0.75-e0.75,exact_rows=4", "'auto' takes no other settings"),
+                     ("auto,exact_rows=4", "--kvm auto,exact_rows=4: 'auto' takes no other settings")):
+        with pytest.raises(UsageError, match=msg):
+            bp_cli.main(common + ["--out", str(tmp_path / "bad"), "--kvm", bad])
+
+
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):
     s = bp.niah_samples(tok, n=2, context_tokens=400, seed=0)
     s[1] = {**s[1], "context_ids": s[1]["context_ids"][:350]}
