@@ -23,7 +23,7 @@ from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
-from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES
+from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES, check_exact_lead
 from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
 
@@ -52,7 +52,10 @@ class KVMSpec:
     ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty); ``exact_rank``: what a token is
     scored by, ``"novelty"`` (minus its highest cosine to the rows) or ``"attention"`` (the attention the last chunk
     of queries that sees it gave it; ``kvmeans.pretrained.op``: better perplexity on some models, no needle recall,
-    docs/quality.md), averaged over layers as ``exact_scope`` says;
+    docs/quality.md), averaged over layers as ``exact_scope`` says; ``exact_lead``: with novelty ranking a token
+    scores the most of its own novelty and the next ``exact_lead`` tokens', so the first token of a novel run (a
+    needle's first digit, which the model needs to find the rest) is kept with it (0: each token its own;
+    attention ranking ignores it);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -71,6 +74,7 @@ class KVMSpec:
     exact_rows: int = 0
     exact_scope: str = "model"
     exact_rank: str = "novelty"
+    exact_lead: int = 0
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
@@ -100,6 +104,7 @@ class KVMSpec:
         if self.exact_rank not in EXACT_RANKS:
             raise ValueError(f"exact_rank must be one of {EXACT_RANKS} (what the reserve ranks a token by: its "
                              f"novelty, or the attention it received in the window), got {self.exact_rank!r}")
+        check_exact_lead(self.exact_lead, self.chunk_len, self.n_bswa_chunks)
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
@@ -120,7 +125,7 @@ class KVMSpec:
         (the transformers layer and the vLLM layer both call it with these)."""
         return dict(budget=self.state_budget, chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks,
                     sink_len=self.sink_len, log_count_bias=self.log_count_bias, novel_rows=self.novel_rows,
-                    exact_rows=self.exact_rows, exact_rank=self.exact_rank)
+                    exact_rows=self.exact_rows, exact_rank=self.exact_rank, exact_lead=self.exact_lead)
 
     @property
     def distance(self) -> int:
@@ -138,6 +143,7 @@ class KVMSpec:
     def from_dict(cls, d: dict) -> "KVMSpec":
         d = {k: v for k, v in d.items() if k != "calibration"}     # the record of how they were chosen
         d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
+        d.setdefault("exact_lead", 0)            # saved before exact_lead existed: each token its own novelty
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
         return cls(**d)

@@ -171,6 +171,14 @@ def _unit(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+def check_exact_lead(exact_lead: int, chunk_len: int, n_bswa_chunks: int) -> None:
+    """A ``ValueError`` naming ``exact_lead`` unless the window holds the tokens it looks ahead to in every split."""
+    most = (n_bswa_chunks - 1) * chunk_len + 1
+    if not 0 <= exact_lead <= most:
+        raise ValueError(f"exact_lead must be in [0, (n_bswa_chunks - 1) * chunk_len + 1 = {most}] (the tokens "
+                         f"after a block that the window still holds), got {exact_lead}")
+
+
 def _reserve_holds(score: Tensor, weakest: Tensor) -> bool:
     """Whether no token of a block (``score [B, Hkv, C]``) outscores the weakest filled slot (``weakest [B, Hkv]``,
     the slots' lowest score; ties stay with the slots): then :func:`keep_most_novel` keeps the slots as they are
@@ -213,15 +221,16 @@ def _unit_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
              layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None,
-             exact_rank: str = "novelty") -> None:
+             exact_rank: str = "novelty", exact_lead: int = 0) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.pretrained.routing``; with
     ``exact_rows`` the block first passes the reserve, ``kvmeans.pretrained.reserve``, and the pool's
     budget is ``exact_rows`` less; ``layer_novelty(start, score) -> score`` ranks a block by its novelty
     agreed across layers, ``kvmeans.pretrained.board``; ``exact_rank="attention"`` ranks by the attention the
-    token received while in the window, ``buf_att``, instead of by its novelty). The merged tokens stay in the
-    buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
+    token received while in the window, ``buf_att``, instead of by its novelty; ``exact_lead``: a token's novelty
+    is the most of its own and the next ``exact_lead`` tokens', which are still in the window). The merged tokens
+    stay in the buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return
@@ -266,11 +275,14 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             _, slot_hat, weakest, filled = slots
             if exact_rank == "attention":       # one score per token, the mean over the kv heads (as novelty's)
                 score = st.buf_att[..., lo:lo + chunk_len].mean(1, keepdim=True).expand(sel.shape[:-1])
-            else:
-                score = block_scores(sel, st.key_sum, st.reserve_key, st.reserve_score, pool_hat=pool_hat,
+            else:                       # with a lead, the next tokens' novelty too (in the window: any split has them)
+                ext = _unit_keys(st, lo, lo + chunk_len + exact_lead, acc, rope) if exact_lead else sel
+                score = block_scores(ext, st.key_sum, st.reserve_key, st.reserve_score, pool_hat=pool_hat,
                                      slot_hat=slot_hat, filled=filled)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
+            if score.shape[-1] > chunk_len:     # a token scores the most of itself and the next exact_lead tokens
+                score = score.unfold(-1, exact_lead + 1, 1).amax(-1)
             if n_out == chunk_len and _reserve_holds(score, weakest):
                 pass            # the sort would keep every slot and hand the block on as it is
             else:               # the unit keys travel with the candidates (normalising is row-wise)
@@ -323,7 +335,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             sin_d: Optional[Tensor] = None, rope: Optional[RopeFn] = None,
                             positions: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
-                            exact_rank: str = "novelty",
+                            exact_rank: str = "novelty", exact_lead: int = 0,
                             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
@@ -343,6 +355,10 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     ``"novelty"``, ``"attention"`` (the attention the token received from the last chunk of queries that see it,
     ``n_bswa_chunks - 1`` chunks after its own: softmax over the window alone, summed over those queries, mean
     over the kv group's heads; ``state.buf_att``; SnapKV's observation window, at the moment the token leaves).
+    ``exact_lead``: with novelty ranking (attention ranking ignores it), a token leaving the window scores the
+    most of its own novelty and the next ``exact_lead`` tokens' (scored against the same rows), so the first token
+    of a novel run, which the model needs to find the run (a needle's first digit), is kept with it; at most
+    ``(n_bswa_chunks - 1) * chunk_len + 1``, the tokens every split still holds in the window.
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -355,6 +371,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         raise ValueError("exact_rows and novel_rows route the same budget two ways: set one of them to 0")
     if exact_rank not in EXACT_RANKS:
         raise ValueError(f"exact_rank must be one of {EXACT_RANKS}, got {exact_rank!r}")
+    check_exact_lead(exact_lead, chunk_len, n_bswa_chunks)
     pre_rope = rope_mode in ("pre_rope_fixed", "split")
     if pre_rope and rope is None:
         raise ValueError(f"rope_mode={rope_mode!r} needs rope= (positions -> the model's cos, sin): the keys of a "
@@ -380,7 +397,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     if attention_rank:
         state.buf_att = _cat(state.buf_att, k.new_zeros(B, k.shape[1], T, dtype=dt), -1)
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
-                   rope=rope if pre_rope else None, exact_rank=exact_rank)
+                   rope=rope if pre_rope else None, exact_rank=exact_rank,
+                   exact_lead=exact_lead if exact_rank == "novelty" else 0)
     c0, c1 = start // C, -(-(start + T) // C)
     read = dict(scaling=scaling, softcap=softcap, log_count_bias=log_count_bias, state_key_weight=state_key_weight,
                 state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp,

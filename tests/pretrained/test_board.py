@@ -14,7 +14,7 @@ from tests.pretrained.test_batch import left_pad, positions, rows  # noqa: E402
 from tests.pretrained.test_convert import ids, tiny  # noqa: E402
 from tests.pretrained.test_reserve import assert_crop_replays  # noqa: E402
 
-RESERVE = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6)
+RESERVE = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6, exact_lead=1)
 
 
 def _score(*vals):

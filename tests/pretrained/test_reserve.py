@@ -16,7 +16,7 @@ from kvmeans.pretrained.convert import KVMSpec, convert_hf, converted_cache, loa
 from tests.pretrained.test_batch import left_pad, positions, rows  # noqa: E402
 from tests.pretrained.test_convert import ids, tiny  # noqa: E402
 
-RESERVE = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6)     # pool 10 rows + 6 slots
+RESERVE = dict(budget=16, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=6, exact_lead=1)   # pool 10 + 6 slots
 
 
 def _qkv(B=2, H=4, Hkv=2, T=121, D=8, seed=0):
@@ -94,6 +94,22 @@ def test_novel_tokens_keep_their_slots_in_every_kv_head():
     assert float(st.count.sum()) == 2 * (104 - 2)                         # every other token is in the pool
 
 
+def test_a_lead_keeps_the_token_before_a_novel_one_across_a_block_boundary():
+    """With exact_lead=1 a token scores the most of its own novelty and the next token's: 39 (before 40) and 47,
+    the last of its block, whose next token 48 lies in the next block (still in the window), keep slots beside
+    40 and 48; without it the two slots the novel tokens do not take keep the first token that filled them and the
+    slightly novel 60."""
+    k, v = _needles()
+    held = {}
+    for lead in (0, 1):
+        st = ConvertedKVMState()
+        converted_kvm_attention(k.repeat_interleave(2, 1), k, v, st, scaling=1.0, budget=14, chunk_len=8,
+                                n_bswa_chunks=2, sink_len=1, rope_mode="none", exact_rows=4, exact_lead=lead)
+        held[lead] = [sorted(st.reserve_value[0, h, :, 0].tolist()) for h in range(2)]
+    assert held[1] == [[39, 40, 47, 48]] * 2
+    assert held[0] == [[8, 40, 48, 60]] * 2
+
+
 @pytest.mark.parametrize("exact_rows", [0, 2])
 def test_a_query_for_the_needle_reads_it_exactly_only_from_the_reserve(exact_rows):
     k, v = _needles()
@@ -143,16 +159,18 @@ def test_a_block_that_outscores_no_slot_skips_the_sort_bit_for_bit(monkeypatch, 
     _assert_same_state(fast_st, sort_st)
 
 
-@pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T,gated", [
-    (3, 8, 2, 2, 24, 121, False),
-    (12, 8, 2, 0, 24, 121, True),                   # more slots than a chunk: the reserve fills over two blocks
-    (5, 4, 3, 1, StateBudget.power_law(2.0, 0.5), 95, False),
+@pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T,gated,lead", [
+    (3, 8, 2, 2, 24, 121, False, 0),
+    (3, 8, 2, 2, 24, 121, False, 1),
+    (12, 8, 2, 0, 24, 121, True, 1),                # more slots than a chunk: the reserve fills over two blocks
+    (5, 4, 3, 1, StateBudget.power_law(2.0, 0.5), 95, False, 9),   # the most lead: every window token after it
+    (4, 8, 1, 2, 24, 121, False, 1),                # a one-chunk window: the lead token is the partial chunk's first
 ])
-def test_any_split_equals_one_call(exact_rows, chunk_len, n_bswa_chunks, sink_len, budget, T, gated):
+def test_any_split_equals_one_call(exact_rows, chunk_len, n_bswa_chunks, sink_len, budget, T, gated, lead):
     q, k, v = _qkv(T=T)
     gate = torch.rand(2, 2, T, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
     run = dict(scaling=8 ** -0.5, budget=budget, chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks,
-               sink_len=sink_len, rope_mode="none", exact_rows=exact_rows)
+               sink_len=sink_len, rope_mode="none", exact_rows=exact_rows, exact_lead=lead)
     one = ConvertedKVMState()
     full = converted_kvm_attention(q, k, v, one, merge_gate=gate if gated else None, **run)
     base = converted_kvm_attention(q, k, v, ConvertedKVMState(), merge_gate=gate if gated else None,
@@ -268,3 +286,10 @@ def test_spec_parses_and_refuses_in_one_line():
         KVMSpec(budget=StateBudget.power_law(2.0), exact_rows=-1)
     with pytest.raises(ValueError, match="set one of them to 0"):
         KVMSpec(exact_rows=4, novel_rows=2)
+    assert parse_kvm_spec("exact_lead=1") == {"exact_lead": 1}
+    assert KVMSpec.from_dict({"budget": 128, "exact_rows": 32}).exact_lead == 0     # saved before it existed
+    with pytest.raises(ValueError, match=r"exact_lead must be in \[0, \(n_bswa_chunks - 1\) \* chunk_len \+ 1 = 9\]"):
+        parse_kvm_spec("chunk_len=8,n_bswa_chunks=2,exact_lead=10")
+    with pytest.raises(ValueError, match="exact_lead must be in"):
+        converted_kvm_attention(*_qkv(T=20), ConvertedKVMState(), scaling=1.0, budget=8, chunk_len=4,
+                                n_bswa_chunks=1, sink_len=0, rope_mode="none", exact_rows=2, exact_lead=2)
