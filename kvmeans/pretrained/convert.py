@@ -54,8 +54,9 @@ class KVMSpec:
     of queries that sees it gave it; ``kvmeans.pretrained.op``: better perplexity on some models, no needle recall,
     docs/quality.md), averaged over layers as ``exact_scope`` says; ``exact_lead``: with novelty ranking a token
     scores the most of its own novelty and the next ``exact_lead`` tokens', so the first token of a novel run (a
-    needle's first digit, which the model needs to find the rest) is kept with it (0: each token its own;
-    attention ranking ignores it);
+    needle's first digit, which the model needs to find the rest) is kept with it (1, the default: NIAH on the
+    Qwen models, docs/quality.md; 0: each token its own, what folders saved before it reload with; attention
+    ranking ignores it);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -74,7 +75,7 @@ class KVMSpec:
     exact_rows: int = 0
     exact_scope: str = "model"
     exact_rank: str = "novelty"
-    exact_lead: int = 0
+    exact_lead: int = 1
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 

@@ -286,7 +286,7 @@ def test_spec_parses_and_refuses_in_one_line():
         KVMSpec(budget=StateBudget.power_law(2.0), exact_rows=-1)
     with pytest.raises(ValueError, match="set one of them to 0"):
         KVMSpec(exact_rows=4, novel_rows=2)
-    assert parse_kvm_spec("exact_lead=1") == {"exact_lead": 1}
+    assert KVMSpec().exact_lead == 1 and parse_kvm_spec("exact_lead=0") == {"exact_lead": 0}
     assert KVMSpec.from_dict({"budget": 128, "exact_rows": 32}).exact_lead == 0     # saved before it existed
     with pytest.raises(ValueError, match=r"exact_lead must be in \[0, \(n_bswa_chunks - 1\) \* chunk_len \+ 1 = 9\]"):
         parse_kvm_spec("chunk_len=8,n_bswa_chunks=2,exact_lead=10")

@@ -36,8 +36,8 @@ def _run(spec, mode, q, k, v, st, T0, gate=None, learned=None, layer_novelty=Non
     return converted_kvm_attention(q, k, v, st, scaling=D ** -0.5, budget=spec.state_budget, chunk_len=spec.chunk_len,
                                    n_bswa_chunks=spec.n_bswa_chunks, sink_len=spec.sink_len,
                                    rope_mode="none" if mode == "none" else mode, exact_rows=spec.exact_rows,
-                                   merge_gate=gate, layer_novelty=layer_novelty, **(learned or {}),
-                                   log_count_bias=spec.log_count_bias,
+                                   exact_lead=spec.exact_lead, merge_gate=gate, layer_novelty=layer_novelty,
+                                   log_count_bias=spec.log_count_bias, **(learned or {}),
                                    **{k_: v_ for k_, v_ in _kwargs(spec, mode, T0, T).items()
                                       if not (mode == "post_rope" and k_ in ("cos", "sin"))})
 
@@ -73,8 +73,10 @@ CASES = {
     "post_rope": (dict(budget=12, chunk_len=4, n_bswa_chunks=2, sink_len=1), "post_rope", False),
     "pre_rope_fixed": (dict(budget=12, chunk_len=4, n_bswa_chunks=3, sink_len=2, rope_distance=20),
                        "pre_rope_fixed", False),
-    "exact_rows": (dict(budget=16, chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=6, rope_distance=12),
-                   "pre_rope_fixed", False),
+    "exact_rows": (dict(budget=16, chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=6, rope_distance=12,
+                        exact_lead=1), "pre_rope_fixed", False),
+    "exact_lead": (dict(budget=16, chunk_len=4, n_bswa_chunks=3, sink_len=1, exact_rows=6, exact_lead=9),
+                   "post_rope", False),                     # the most lead: every window token after the block
     "power_law": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1), "none", False),
     "no_count_bias": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=3,
                            log_count_bias=False), "post_rope", False),
