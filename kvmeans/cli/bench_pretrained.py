@@ -105,12 +105,10 @@ def _named_split(text: str):
         raise UsageError(f"--kvm {text}: no calibration split called {name!r}; give one of {names}") from None
 
 
-def _calibrated_split(model, tok, needed: bool):
+def _calibrated_split(model, tok):
     """``(Split, calibration record)`` that ``convert_hf(model)`` picks on its built-in text, once for the run."""
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named
     from kvmeans.pretrained.convert import convert_hf
-    if not needed:
-        return None, None
     chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN)
     record = chosen["calibration"]
     print(f"--kvm auto: calibrated split {record['chosen']} ({record['seconds']} s)", flush=True)
@@ -171,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = load_model(a.model, torch.float32, "cpu") if a.arms else None
     calibration = None
     if kvm is not None and not isinstance(kvm, Split) and kvm.get("calibrate"):
-        kvm, calibration = _calibrated_split(model, tok, "kvm" in a.arms)
+        kvm, calibration = _calibrated_split(model, tok) if "kvm" in a.arms else (None, None)
     effective = _effective(kvm, samples, a) if kvm is not None and "kvm" in a.arms else {}
     distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
     if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
