@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from kvmeans.eval import ruler_tasks
-from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, kvm_spec_as_given, streaming_arm
+from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, shrink_note, streaming_arm
 from kvmeans.pretrained.bench import (
     ARMS,
     DEFAULT_KVM,
@@ -120,17 +120,14 @@ def _effective(kvm, samples, a) -> Dict[str, Dict[str, int]]:
     run, not an hour into it; a line on stderr where ``--kvm``'s window is shrunk."""
     keys = {kept_keys(smp, r) for smp in samples for r in a.ratios}
     keys |= {a.ppl_keys} if "ppl" in a.benches else set()
-    given = None if isinstance(kvm, Split) else kvm_spec_as_given(kvm)
     effective = {}
     for k in sorted(keys):
         got = kvm_settings(k, kvm)
         effective[str(k)] = {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"],
                              "budget": got["budget"].n, "exact_rows": got.get("exact_rows", 0)}
-        if given is not None and (got["chunk_len"], got["n_bswa_chunks"]) != (given.chunk_len, given.n_bswa_chunks):
-            print(f"--kvm: at {k} kept keys the window is {got['n_bswa_chunks']} chunks of {got['chunk_len']} "
-                  f"tokens ({got['n_bswa_chunks'] * got['chunk_len']}: at most keys // 2) and the state "
-                  f"{got['budget'].n} rows, not the spec's window; give n_bswa_chunks * chunk_len <= keys // 2 "
-                  "to run the spec as written", file=sys.stderr, flush=True)
+        note = shrink_note(k, kvm, got)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     return effective
 
 

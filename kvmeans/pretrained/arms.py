@@ -194,6 +194,20 @@ def kvm_settings(keys: int, kvm) -> dict:
     return settings
 
 
+def shrink_note(keys: int, kvm, got: dict) -> Optional[str]:
+    """A one-line note when :func:`kvm_settings` ran a hand-written ``--kvm`` (``kvm``) at ``keys`` kept keys with
+    another window than the spec's (``got``: what it returned); ``None`` when the spec ran as written."""
+    from kvmeans.pretrained.calibrate import Split
+    if isinstance(kvm, Split):
+        return None
+    given = kvm_spec_as_given(kvm)
+    if (got["chunk_len"], got["n_bswa_chunks"]) == (given.chunk_len, given.n_bswa_chunks):
+        return None
+    return (f"--kvm: at {keys} kept keys the window is {got['n_bswa_chunks']} chunks of {got['chunk_len']} tokens "
+            f"({got['n_bswa_chunks'] * got['chunk_len']}: at most keys // 2) and the state {got['budget'].n} rows, "
+            "not the spec's window; give n_bswa_chunks * chunk_len <= keys // 2 to run the spec as written")
+
+
 def kvm_arm(model, keys: int, kvm) -> Arm:
     """Training-free KVM at ``keys`` kept keys on a converted copy of ``model`` (:func:`kvm_settings`)."""
     from kvmeans.pretrained.convert import convert_hf

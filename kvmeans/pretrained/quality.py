@@ -16,7 +16,8 @@ the corpus, seeded) and every compressed arm keeps the same number of keys, ``K 
 * ``streaming``: StreamingLLM, 4 sinks and the last ``K - 4`` tokens (the mask over the plain model, positions
   the tokens' own);
 * ``kvm``: :func:`kvmeans.convert_hf` at ``K`` keys (``--kvm`` settings, their window shrunk to at most ``K / 2``
-  and the rest a fixed state budget: :func:`kvmeans.pretrained.arms.kvm_settings`);
+  and the rest a fixed state budget: :func:`kvmeans.pretrained.arms.kvm_settings`; a shrunk window is logged and
+  what ran is recorded per ``K`` under ``settings.kvm_effective``);
 * ``kvm-auto``: (``--auto``) the split :func:`kvmeans.pretrained.calibrate.calibrate` picks for the model on the
   built-in calibration text (once per model, at 260 keys), spent at the cell's ``K``;
 * ``kvm-distilled``: a distilled folder per model (``--distilled``): its learned read-out, its own split of
@@ -204,7 +205,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
     from transformers import AutoModelForCausalLM
 
     from kvmeans.models.load import load_hf_tokenizer
-    from kvmeans.pretrained.arms import converted_arm, kvm_settings
+    from kvmeans.pretrained.arms import converted_arm, kvm_settings, shrink_note
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
@@ -231,7 +232,14 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
             def converted(settings):            # the arms share plain's weights: no model copy per arm
                 return convert_hf(copy_sharing_weights(plain), **settings)
             if kvm is not None:
-                arms.append(converted_arm("kvm", converted(kvm_settings(keys, kvm)), length))
+                got = kvm_settings(keys, kvm)
+                note = shrink_note(keys, kvm, got)
+                if note:
+                    log(f"{name}: {note}")
+                settings.setdefault("kvm_effective", {})[str(keys)] = {
+                    "chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"], "budget": got["budget"].n,
+                    "exact_rows": got.get("exact_rows", 0)}
+                arms.append(converted_arm("kvm", converted(got), length))
             if split is not None:
                 arms.append(converted_arm("kvm-auto", converted(split_settings(split, keys)), length))
             if name in distilled:               # its learned read-out at this cell's kept keys

@@ -34,9 +34,18 @@ def test_protocol_end_to_end(llama_dir, tmp_path, capsys):
     out = tmp_path / "q"
     folder = distilled_folder(llama_dir, tmp_path / "distilled")
     assert main(["--models", str(llama_dir), "--corpora", "shakespeare", "--lengths", "128", "256",
-                 "--windows", "2", "1", "--keep", "0.25", "--kvm", KVM, "--tune-model", "llama", "--out",
-                 str(out), "--threads", "1", "--distilled", f"llama={folder}"]) == 0
-    rows = json.loads((out / "quality.json").read_text())["rows"]
+                 "--windows", "2", "1", "--keep", "0.25", "--kvm", KVM.replace("n_bswa_chunks=2", "n_bswa_chunks=4"),
+                 "--tune-model", "llama", "--out", str(out), "--threads", "1", "--distilled", f"llama={folder}"]) == 0
+    got = json.loads((out / "quality.json").read_text())
+    rows = got["rows"]
+    # a 32-token window at 32 kept keys (length 128) runs shrunk to 16, and says so; at 64 keys it runs as written
+    assert got["settings"]["kvm_effective"] == {"32": {"chunk_len": 8, "n_bswa_chunks": 2, "budget": 16,
+                                                       "exact_rows": 4},
+                                                "64": {"chunk_len": 8, "n_bswa_chunks": 4, "budget": 32,
+                                                       "exact_rows": 4}}
+    printed = capsys.readouterr()
+    err = printed.err
+    assert "at 32 kept keys the window is 2 chunks of 8 tokens" in err and "at 64 kept keys" not in err
     assert {(r["length"], r["arm"]) for r in rows} == {(n, a) for n in (128, 256)
                                                         for a in ("full", "streaming", "kvm", "kvm-distilled")}
     by = {(r["length"], r["arm"]): r for r in rows}
@@ -51,7 +60,7 @@ def test_protocol_end_to_end(llama_dir, tmp_path, capsys):
     assert [(w["length"], w["window"]) for w in windows] == [(128, 0), (128, 1), (256, 0)]
     assert all(len(w["ids"]) == w["length"] and w["context_len"] == w["length"] - continuation_len(w["length"])
                for w in windows)
-    text = capsys.readouterr().out
+    text = printed.out
     assert "window perplexity" in text and "continuation perplexity" in text and "tuning" in text
     merged = merge_kvpress(rows, [{"cell": rows[0]["cell"], "press": "knorm", "ppl_continuation": 10.0,
                                    "kept_keys": 32, "length": 128, "model": "llama", "corpus": "shakespeare",
