@@ -55,9 +55,9 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
 
 
 def _layer_novelty(module) -> Optional[Callable]:
-    """The reserve's ranking shared across the converted layers (``exact_scope="model"``), or None."""
+    """The reserve's ranking shared across the converted layers (``exact_scope`` "model" or "first"), or None."""
     spec, board = module.kvm_spec, module.kvm_board
-    if not spec.exact_rows or spec.exact_scope != "model" or board is None:
+    if not spec.exact_rows or spec.exact_scope == "layer" or board is None:
         return None
     return functools.partial(board.combine, module.kvm_layer_pos)
 

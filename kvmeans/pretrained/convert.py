@@ -21,14 +21,14 @@ from kvmeans.models.hf_compat import CACHE_KWARG, cache_from, cache_kwargs
 from kvmeans.ops.budget import StateBudget, as_budget
 from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
-from kvmeans.pretrained.board import NoveltyBoard
+from kvmeans.pretrained.board import BOARD_SCOPES, NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
 from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES, check_exact_lead
 from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
-EXACT_SCOPES = ("model", "layer")
+EXACT_SCOPES = ("model", "layer", "first")
 # model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
 FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
             "gpt_neox": True, "gpt2": False}
@@ -48,15 +48,18 @@ class KVMSpec:
     rows of their own, freed by merging the most similar pairs of rows (``kvmeans.pretrained.routing``);
     ``exact_rows``: rows of the budget kept as a reserve of single tokens, the most novel ones, read exactly
     (``kvmeans.pretrained.reserve``; 0: none); ``exact_scope``: how the reserve ranks a token, ``"model"``
-    (default: its novelty averaged over the converted layers so far, so the layers keep the same tokens;
-    ``kvmeans.pretrained.board``) or ``"layer"`` (each layer by its own novelty); ``exact_rank``: what a token is
+    (default: its novelty averaged over the converted layers so far, so the layers keep mostly the same tokens;
+    ``kvmeans.pretrained.board``), ``"first"`` (every layer by the first converted layer's novelty: every layer
+    keeps exactly the same tokens) or ``"layer"`` (each layer by its own novelty); ``exact_rank``: what a token is
     scored by, ``"novelty"`` (minus its highest cosine to the rows) or ``"attention"`` (the attention the last chunk
     of queries that sees it gave it; ``kvmeans.pretrained.op``: better perplexity on some models, no needle recall,
     docs/quality.md), averaged over layers as ``exact_scope`` says; ``exact_lead``: with novelty ranking a token
     scores the most of its own novelty and the next ``exact_lead`` tokens', so the first token of a novel run (a
     needle's first digit, which the model needs to find the rest) is kept with it (1, the default: NIAH on the
     Qwen models, docs/quality.md; 0: each token its own, what folders saved before it reload with; attention
-    ranking ignores it);
+    ranking ignores it); ``exact_join``: with novelty ranking, a block's leading run that continues a run the
+    slots hold from the block before is scored as inside that block, so a novel run cut by a block boundary keeps
+    its second part (``kvmeans.pretrained.op``; False: what folders saved before it reload with);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -76,6 +79,7 @@ class KVMSpec:
     exact_scope: str = "model"
     exact_rank: str = "novelty"
     exact_lead: int = 1
+    exact_join: bool = False
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
@@ -108,7 +112,8 @@ class KVMSpec:
         check_exact_lead(self.exact_lead, self.chunk_len, self.n_bswa_chunks)
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
-                             f"averaged over the layers, or each layer's own), got {self.exact_scope!r}")
+                             f"averaged over the layers, the first layer's, or each layer's own), got "
+                             f"{self.exact_scope!r}")
 
     @property
     def max_exact_rows(self) -> Optional[int]:
@@ -126,7 +131,8 @@ class KVMSpec:
         (the transformers layer and the vLLM layer both call it with these)."""
         return dict(budget=self.state_budget, chunk_len=self.chunk_len, n_bswa_chunks=self.n_bswa_chunks,
                     sink_len=self.sink_len, log_count_bias=self.log_count_bias, novel_rows=self.novel_rows,
-                    exact_rows=self.exact_rows, exact_rank=self.exact_rank, exact_lead=self.exact_lead)
+                    exact_rows=self.exact_rows, exact_rank=self.exact_rank, exact_lead=self.exact_lead,
+                    exact_join=self.exact_join)
 
     @property
     def distance(self) -> int:
@@ -145,6 +151,7 @@ class KVMSpec:
         d = {k: v for k, v in d.items() if k != "calibration"}     # the record of how they were chosen
         d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
         d.setdefault("exact_lead", 0)            # saved before exact_lead existed: each token its own novelty
+        d.setdefault("exact_join", False)        # saved before exact_join existed
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
         return cls(**d)
@@ -182,7 +189,7 @@ def parse_kvm_spec(text: str) -> dict:
             out[key] = _parse_budget(val)
         elif key in ("rope_mode", "exact_scope", "exact_rank"):
             out[key] = val
-        elif key in ("log_count_bias", "learned"):
+        elif key in ("log_count_bias", "learned", "exact_join"):
             if val not in ("true", "false", "1", "0"):
                 raise ValueError(f"{key} must be true or false, got {val!r}")
             out[key] = val in ("true", "1")
@@ -415,7 +422,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         # stored resolved, so a saved model reloads at the distance it was converted (or distilled) with
         spec = dataclasses.replace(spec, rope_distance=spec.distance)
     _check_rope_read(cfg, spec.rope_mode)
-    board = NoveltyBoard(len(chosen)) if chosen else None      # exact_scope="model": one per model
+    # exact_scope "model" / "first": one board per model
+    board = NoveltyBoard(len(chosen), spec.exact_scope) if chosen and spec.exact_scope in BOARD_SCOPES else None
     for pos, i in enumerate(chosen):
         convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
     model.__dict__.pop("_kvm_modules", None)

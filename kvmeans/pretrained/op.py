@@ -30,7 +30,7 @@ from torch import Tensor
 from kvmeans.ops.budget import BudgetLike, as_budget
 from kvmeans.ops.routing import first_max, route_overflow
 from kvmeans.ops.schedule import bswa_begin, desired_rows
-from kvmeans.pretrained.reserve import block_scores, keep_most_novel
+from kvmeans.pretrained.reserve import block_scores, join_runs, keep_most_novel
 from kvmeans.pretrained.routing import merge_closest_pairs, route_novel
 
 ROPE_MODES = ("pre_rope_fixed", "post_rope", "split", "none")
@@ -84,16 +84,17 @@ class ConvertedKVMState:
     (the first ``sink_len`` rows are sinks, never merged into);
     ``reserve_*`` the exact rows (``exact_rows``, ``kvmeans.pretrained.reserve``; None without them):
     ``reserve_key``/``reserve_value`` ``[B, Hkv, R, D]`` one token's (gated) key and value, ``reserve_count``
-    ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty).
+    ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty),
+    ``reserve_pos`` ``[B, Hkv, R]`` its index in the sequence (a float of the sums' dtype; -inf: empty).
     """
 
     FIELDS = ("buf_k", "buf_v", "buf_pos", "buf_g", "buf_att", "key_sum", "value_sum", "count", "reserve_key",
-              "reserve_value", "reserve_count", "reserve_score")
+              "reserve_value", "reserve_count", "reserve_score", "reserve_pos")
     # what each field is, for :meth:`nbytes_by_kind` (the sinks are split off the rows there)
     KINDS = {"buf_k": "window", "buf_v": "window", "buf_pos": "window", "buf_g": "window", "buf_att": "window",
              "key_sum": "rows",
              "value_sum": "rows", "count": "rows", "reserve_key": "reserve", "reserve_value": "reserve",
-             "reserve_count": "reserve", "reserve_score": "reserve"}
+             "reserve_count": "reserve", "reserve_score": "reserve", "reserve_pos": "reserve"}
 
     def __init__(self):
         self.seen = 0
@@ -111,7 +112,7 @@ class ConvertedKVMState:
 
     @property
     def reserve(self):
-        return self.reserve_key, self.reserve_value, self.reserve_count, self.reserve_score
+        return self.reserve_key, self.reserve_value, self.reserve_count, self.reserve_score, self.reserve_pos
 
     def read_rows(self):
         """``(key sums, value sums, counts)`` the queries read: the pool rows then the reserve (None: no state yet)."""
@@ -194,6 +195,20 @@ def _slot_read(st: ConvertedKVMState) -> Tuple[Tensor, Tensor, Tensor, Optional[
     return st.reserve_key, _unit(st.reserve_key), st.reserve_score.amin(-1), filled
 
 
+def _join(st: ConvertedKVMState, score: Tensor, ext: Tensor, start: int, chunk_len: int, pool_hat: Tensor,
+          slot_hat: Tensor) -> Tensor:
+    """``exact_join``: the block at ``start``'s scores with a leading run that continues the run the slots hold
+    from the block before (its last token held) scored without that block's slots, as inside one block
+    (``reserve.join_runs``)."""
+    tail_held = (st.reserve_pos == start - 1).any(-1, keepdim=True)
+    if tail_held.device.type == "cpu" and not bool(tail_held.any()):
+        return score                    # most blocks: nothing held of the block before's end (a CPU check)
+    recent = st.reserve_pos >= start - chunk_len
+    alone = block_scores(ext, st.key_sum, st.reserve_key, st.reserve_score.masked_fill(recent, float("-inf")),
+                         pool_hat=pool_hat, slot_hat=slot_hat, filled=False)
+    return join_runs(score, alone, tail_held)
+
+
 def _cat(a: Optional[Tensor], b: Tensor, dim: int = -2) -> Tensor:
     return b if a is None else torch.cat((a, b), dim=dim)
 
@@ -221,7 +236,7 @@ def _unit_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
              layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None,
-             exact_rank: str = "novelty", exact_lead: int = 0) -> None:
+             exact_rank: str = "novelty", exact_lead: int = 0, exact_join: bool = False) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.pretrained.routing``; with
@@ -229,7 +244,8 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     budget is ``exact_rows`` less; ``layer_novelty(start, score) -> score`` ranks a block by its novelty
     agreed across layers, ``kvmeans.pretrained.board``; ``exact_rank="attention"`` ranks by the attention the
     token received while in the window, ``buf_att``, instead of by its novelty; ``exact_lead``: a token's novelty
-    is the most of its own and the next ``exact_lead`` tokens', which are still in the window). The merged tokens
+    is the most of its own and the next ``exact_lead`` tokens', which are still in the window; ``exact_join``: a
+    block's leading run that continues a run the slots hold is scored as within the block before). The merged tokens
     stay in the buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
@@ -251,6 +267,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
                                                 for t in (st.key_sum, st.value_sum))
             st.reserve_count = st.count.new_zeros(B, H, exact_rows)
             st.reserve_score = st.count.new_full((B, H, exact_rows), float("-inf"))
+            st.reserve_pos = st.reserve_score.clone()
         st.covered = chunk_len
     pool_budget = (lambda n: max(0, budget(n) - exact_rows)) if exact_rows else budget
     ones, slots = None, None
@@ -279,6 +296,8 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
                 ext = _unit_keys(st, lo, lo + chunk_len + exact_lead, acc, rope) if exact_lead else sel
                 score = block_scores(ext, st.key_sum, st.reserve_key, st.reserve_score, pool_hat=pool_hat,
                                      slot_hat=slot_hat, filled=filled)
+                if exact_join:
+                    score = _join(st, score, ext, start, chunk_len, pool_hat, slot_hat)
             if layer_novelty is not None:
                 score = layer_novelty(start, score)
             if score.shape[-1] > chunk_len:     # a token scores the most of itself and the next exact_lead tokens
@@ -286,9 +305,12 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             if n_out == chunk_len and _reserve_holds(score, weakest):
                 pass            # the sort would keep every slot and hand the block on as it is
             else:               # the unit keys travel with the candidates (normalising is row-wise)
-                kept, (bk, bv, weight, _, sel) = keep_most_novel(st.reserve + (slot_hat,),
-                                                                 (bk, bv, weight, score, sel), n_out)
-                st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = kept[:4]
+                pos = torch.arange(start, start + chunk_len, device=score.device,
+                                   dtype=st.reserve_pos.dtype).expand_as(score)
+                kept, (bk, bv, weight, _, _, sel) = keep_most_novel(st.reserve + (slot_hat,),
+                                                                    (bk, bv, weight, score, pos, sel), n_out)
+                (st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score,
+                 st.reserve_pos) = kept[:5]
             if not n_out:
                 continue
             n_new = min(n_new, n_out)
@@ -335,7 +357,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             sin_d: Optional[Tensor] = None, rope: Optional[RopeFn] = None,
                             positions: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
-                            exact_rank: str = "novelty", exact_lead: int = 0,
+                            exact_rank: str = "novelty", exact_lead: int = 0, exact_join: bool = False,
                             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
@@ -358,7 +380,11 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     ``exact_lead``: with novelty ranking (attention ranking ignores it), a token leaving the window scores the
     most of its own novelty and the next ``exact_lead`` tokens' (scored against the same rows), so the first token
     of a novel run, which the model needs to find the run (a needle's first digit), is kept with it; at most
-    ``(n_bswa_chunks - 1) * chunk_len + 1``, the tokens every split still holds in the window.
+    ``(n_bswa_chunks - 1) * chunk_len + 1``, the tokens every split still holds in the window. ``exact_join``: with
+    novelty ranking, when the slots hold the last token of the block before, the block's leading run of tokens
+    that score higher without the slots that block filled is scored so (``state.reserve_pos``), as it would be
+    inside one block: a novel run cut by a block boundary keeps its second part, which otherwise meets the first
+    part in the slots and looks known; the other tokens keep their scores.
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -398,7 +424,8 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
         state.buf_att = _cat(state.buf_att, k.new_zeros(B, k.shape[1], T, dtype=dt), -1)
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
                    rope=rope if pre_rope else None, exact_rank=exact_rank,
-                   exact_lead=exact_lead if exact_rank == "novelty" else 0)
+                   exact_lead=exact_lead if exact_rank == "novelty" else 0,
+                   exact_join=bool(exact_join) and exact_rank == "novelty")
     c0, c1 = start // C, -(-(start + T) // C)
     read = dict(scaling=scaling, softcap=softcap, log_count_bias=log_count_bias, state_key_weight=state_key_weight,
                 state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp,

@@ -28,7 +28,8 @@ def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score
     """``[B, Hkv, C]``: minus the highest cosine of each block token ``sel [B, Hkv, C, D]`` (normalised keys) to
     the pool rows ``[B, Hkv, m, D]`` and the filled slots ``[B, Hkv, R, D]``, averaged over the kv heads.
     ``pool_hat`` / ``slot_hat``: those rows normalised already (the caller's, reused for routing); ``filled``:
-    whether every slot holds a token, when the caller knows (None: checked here)."""
+    whether every slot holds a token, when the caller knows (None: checked here; a slot whose score is -inf is
+    empty, so a caller hides slots by passing their scores as -inf)."""
     pool_hat = F.normalize(pool_key_sum, dim=-1) if pool_hat is None else pool_hat
     slot_hat = F.normalize(slot_key, dim=-1) if slot_hat is None else slot_hat
     rows = torch.cat((pool_hat, slot_hat), -2)          # normalising is row-wise: as normalising the join
@@ -39,6 +40,15 @@ def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score
         if empty.device.type != "cpu" or bool(empty.any()):
             sim = sim.masked_fill(F.pad(empty, (pool_hat.shape[-2], 0)).unsqueeze(-2), float("-inf"))
     return (-sim.amax(-1)).mean(1, keepdim=True).expand(sel.shape[:-1])
+
+
+def join_runs(score: Tensor, alone: Tensor, tail_held: Tensor) -> Tensor:
+    """The block's scores ``[B, Hkv, n]`` with its leading run scored as within the block before: ``alone`` the
+    scores without the slots that block filled, ``tail_held [B, Hkv, 1]`` whether the slots hold that block's last
+    token. The run is the block's first tokens, each scoring higher without those slots (the slots of the run
+    they continue are what made them look known); the first token that does not ends it."""
+    run = ((alone > score) & tail_held).cumprod(-1).bool()
+    return torch.where(run, alone, score)
 
 
 def keep_most_novel(slots: Tuple[Tensor, ...], block: Tuple[Tensor, ...], n_out: int

@@ -33,6 +33,7 @@ from kvmeans.pretrained.op import ConvertedKVMState, _softcap, _state_read
 
 Slots = Dict[str, Tensor]           # name -> [num_slots, *shape]
 META = ("seen", "covered", "rows")  # the int32 counters of a slot (a fourth entry is spare)
+RESERVE = ("reserve_key", "reserve_value", "reserve_count", "reserve_score", "reserve_pos")
 
 
 def pool_capacity(budget, chunk_len: int, n_bswa_chunks: int, exact_rows: int, max_len: int) -> int:
@@ -81,7 +82,7 @@ class SlotLayout:
                ("count", (H, M), s)]
         if R:
             out += [("reserve_key", (H, R, D), s), ("reserve_value", (H, R, Dv), s), ("reserve_count", (H, R), s),
-                    ("reserve_score", (H, R), s)]
+                    ("reserve_score", (H, R), s), ("reserve_pos", (H, R), s)]
         out += [("read_key", (H, R + M, D), s), ("read_value", (H, R + M, Dv), s), ("read_bias", (H, R + M), s)]
         out += [("buf_k", (H, L, D), self.dtype), ("buf_v", (H, L, Dv), self.dtype)]
         if self.learned:
@@ -135,8 +136,8 @@ def load_state(slots: Slots, i: int, layout: SlotLayout, sink_len: int, pre_rope
         st.key_sum, st.value_sum = slots["key_sum"][i:i + 1, :, :rows], slots["value_sum"][i:i + 1, :, :rows]
         st.count = slots["count"][i:i + 1, :, :rows]
         if layout.exact_rows:
-            st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score = (
-                slots[name][i:i + 1] for name in ("reserve_key", "reserve_value", "reserve_count", "reserve_score"))
+            (st.reserve_key, st.reserve_value, st.reserve_count, st.reserve_score, st.reserve_pos) = (
+                slots[name][i:i + 1] for name in RESERVE)
     return st
 
 
@@ -174,7 +175,7 @@ def store_state(slots: Slots, i: int, st: ConvertedKVMState, layout: SlotLayout,
             _put(slots[name][i, :, :rows], getattr(st, name)[0])
         R = layout.exact_rows
         if R:
-            for name in ("reserve_key", "reserve_value", "reserve_count", "reserve_score"):
+            for name in RESERVE:
                 _put(slots[name][i], getattr(st, name)[0])
         dt = layout.sum_dtype
         pool = _state_read((st.key_sum, st.value_sum, st.count), dt, state_key_weight, state_key_bias,

@@ -79,15 +79,16 @@ class _Plan:
 
 class _Shared:
     """What a model's converted layers share: the spec, the family's RoPE, the current forward's plan (rebuilt
-    when the metadata object changes) and, for ``exact_scope='model'``, the novelty board (blocks keyed by the
-    request's slot: every layer of a forward routes the same blocks of a request, in layer order, as in
+    when the metadata object changes) and, for ``exact_scope`` 'model' or 'first', the novelty board (blocks keyed
+    by the request's slot: every layer of a forward routes the same blocks of a request, in layer order, as in
     transformers)."""
 
     def __init__(self, hf_config, spec, n_layers: int):
         self.spec = spec
         self.pre_rope = spec.rope_mode in ("pre_rope_fixed", "split")
         self.rope = hf_rope(hf_config) if spec.rope_mode != "none" else None
-        self.board = NoveltyBoard(n_layers) if spec.exact_rows and spec.exact_scope == "model" else None
+        self.board = (NoveltyBoard(n_layers, spec.exact_scope) if spec.exact_rows and spec.exact_scope != "layer"
+                      else None)
         self._md, self._plan = None, None
 
     def plan(self, md) -> _Plan:

@@ -1,7 +1,8 @@
-"""Novelty agreed across layers (KVMSpec.exact_scope="model", kvmeans.pretrained.board): the board's running
-mean, that a converted model ranks each layer's block by the mean over the layers so far (in layer order, once
-per layer, nothing left after a forward), that the scope changes what layers keep, and that one forward still
-equals any split, the rows of a padded batch alone, and a crop."""
+"""Novelty agreed across layers (KVMSpec.exact_scope "model" / "first", kvmeans.pretrained.board): the board's
+running mean (or the first layer's scores), that a converted model ranks each layer's block by the mean over the
+layers so far (in layer order, once per layer, nothing left after a forward) or by the first layer's, that the
+scope changes what layers keep, and that one forward still equals any split, the rows of a padded batch alone,
+and a crop."""
 import pytest
 import torch
 
@@ -33,6 +34,16 @@ def test_board_takes_the_running_mean_and_forgets_a_block_after_the_last_layer()
     torch.testing.assert_close(board.combine(0, 16, _score(7., 7.), rows=(1,)), _score(7., 7.))   # layer 0 rewrites
     with pytest.raises(ValueError, match="n_layers must be >= 1"):
         NoveltyBoard(0)
+    with pytest.raises(ValueError, match=r"scope must be one of \('model', 'first'\), got 'layer'"):
+        NoveltyBoard(2, "layer")
+
+
+def test_a_first_layer_board_gives_every_layer_the_first_layers_scores():
+    board = NoveltyBoard(3, "first")
+    torch.testing.assert_close(board.combine(0, 16, _score(1., 4.)), _score(1., 4.))
+    torch.testing.assert_close(board.combine(1, 16, _score(3., 0.)), _score(1., 4.))
+    torch.testing.assert_close(board.combine(2, 16, _score(-9., 9.)), _score(1., 4.))
+    assert len(board) == 0                                          # the last layer removed it
 
 
 class _Spy:
@@ -66,23 +77,40 @@ def test_each_layer_ranks_by_the_mean_over_the_layers_so_far_in_layer_order():
         torch.testing.assert_close(o1, (s0 + s1) / 2, rtol=0, atol=1e-12)
     spy.calls.clear()
     layer = convert_hf(tiny("llama"), exact_scope="layer", **RESERVE)
-    _Spy(layer).board.combine = lambda *a, **k: pytest.fail("exact_scope='layer' must not read the board")
-    layer(ids(100))
+    assert all(m.self_attn.kvm_board is None for m in layer.model.layers)     # no board to read
+
+
+@torch.no_grad()
+def test_with_scope_first_every_layer_ranks_by_the_first_layers_novelty():
+    model = convert_hf(tiny("llama"), exact_scope="first", **RESERVE)
+    spy = _Spy(model)
+    model(ids(100))
+    assert spy.calls and len(spy.board) == 0
+    by_block = {}
+    for layer_pos, start, row_ids, score, out in spy.calls:
+        by_block.setdefault((row_ids, start), []).append((layer_pos, score, out))
+    for calls in by_block.values():
+        (p0, s0, o0), (p1, s1, o1) = calls
+        assert (p0, p1) == (0, 1) and not torch.equal(s0, s1)      # the layers' own novelty differs ...
+        assert torch.equal(o0, s0) and torch.equal(o1, s0)          # ... and both rank by the first layer's
 
 
 @torch.no_grad()
 def test_the_scope_changes_what_deeper_layers_keep_and_one_layer_is_its_own_mean():
     x = ids(120)
-    model, layer = (convert_hf(tiny("llama"), exact_scope=s, **RESERVE)(x).logits for s in ("model", "layer"))
-    assert (model - layer).abs().max() > 1e-5
-    one_model, one_layer = (convert_hf(tiny("llama"), layers=[1], exact_scope=s, **RESERVE)(x).logits
-                            for s in ("model", "layer"))
+    model, layer, first = (convert_hf(tiny("llama"), exact_scope=s, **RESERVE)(x).logits
+                           for s in ("model", "layer", "first"))
+    assert (model - layer).abs().max() > 1e-5 and (model - first).abs().max() > 1e-5
+    one_model, one_layer, one_first = (convert_hf(tiny("llama"), layers=[1], exact_scope=s, **RESERVE)(x).logits
+                                       for s in ("model", "layer", "first"))
     torch.testing.assert_close(one_model, one_layer, rtol=0, atol=0)
+    torch.testing.assert_close(one_first, one_layer, rtol=0, atol=0)
 
 
 @torch.no_grad()
-def test_splits_padded_rows_and_crop_agree_with_one_forward():
-    model = convert_hf(tiny("llama"), **RESERVE)
+@pytest.mark.parametrize("scope", ["model", "first"])
+def test_splits_padded_rows_and_crop_agree_with_one_forward(scope):
+    model = convert_hf(tiny("llama"), exact_scope=scope, **RESERVE)
     x = ids(100)
     full = model(x).logits
     cache = tf.DynamicCache(config=model.config)
@@ -105,7 +133,8 @@ def test_splits_padded_rows_and_crop_agree_with_one_forward():
 def test_spec_parses_saves_and_refuses_the_scope(tmp_path):
     assert parse_kvm_spec("exact_rows=4,exact_scope=layer") == {"exact_rows": 4, "exact_scope": "layer"}
     assert KVMSpec().exact_scope == "model"
-    with pytest.raises(ValueError, match=r"exact_scope must be one of \('model', 'layer'\).*got 'heads'"):
+    assert parse_kvm_spec("exact_scope=first") == {"exact_scope": "first"}
+    with pytest.raises(ValueError, match=r"exact_scope must be one of \('model', 'layer', 'first'\).*got 'heads'"):
         parse_kvm_spec("exact_scope=heads")
     model = convert_hf(tiny("llama"), exact_scope="layer", **RESERVE)
     model.save_pretrained(tmp_path)

@@ -110,6 +110,48 @@ def test_a_lead_keeps_the_token_before_a_novel_one_across_a_block_boundary():
     assert held[0] == [[8, 40, 48, 60]] * 2
 
 
+def _run_of_novel_tokens(*runs, T=120, D=8):
+    """Two kv heads of one repeated key, the tokens of each ``(first, last)`` of ``runs`` one other key (novel);
+    values carry each token's position in channel 0."""
+    k = torch.zeros(1, 2, T, D, dtype=torch.float64)
+    k[..., 0] = 1
+    for first, last in runs:
+        k[:, :, first:last + 1] = F.one_hot(torch.tensor(1), D).double()
+    v = torch.zeros(1, 2, T, D, dtype=torch.float64)
+    v[..., 0] = torch.arange(T, dtype=torch.float64)
+    return k, v
+
+
+def _held(k, v, exact_rows=6, **kw):
+    st = ConvertedKVMState()
+    out = converted_kvm_attention(k.repeat_interleave(2, 1), k, v, st, scaling=1.0, budget=20, chunk_len=8,
+                                  n_bswa_chunks=2, sink_len=1, rope_mode="none", exact_rows=exact_rows, **kw)
+    held = [sorted(st.reserve_value[0, h, :, 0].tolist()) for h in range(2)]
+    assert sorted(st.reserve_pos[0, 0].tolist()) == held[0]           # each slot knows its token's index
+    return held, out
+
+
+def test_join_keeps_a_novel_run_cut_by_a_block_boundary():
+    """Tokens 45-50 are one novel run and a block boundary falls at 48. The block [40, 48) gives 45-47 slots;
+    without exact_join 48-50 then meet them in the slots (cosine 1), look known, and the slots keep the first
+    tokens that filled them; with it, 48-50 (each higher without the slots the block before filled, after its
+    held last token 47) score as inside that block and the whole run is kept. Token 51, as known either way,
+    ends the run."""
+    k, v = _run_of_novel_tokens((45, 50))
+    assert _held(k, v, exact_lead=0)[0] == [[8, 9, 10, 45, 46, 47]] * 2
+    assert _held(k, v, exact_lead=0, exact_join=True)[0] == [[45, 46, 47, 48, 49, 50]] * 2
+    assert _held(k, v, exact_lead=1, exact_join=True)[0] == [[44, 45, 46, 47, 48, 49]] * 2   # 44 leads; 6 slots
+
+
+def test_join_needs_the_block_before_to_end_held():
+    """A novel run 41-46 inside one block, a known token 47, then 48-49 like the run: the block before does not end
+    held, so 48-49 keep their scores (they look known) and two slots keep their first tokens, with or without
+    exact_join, outputs bit for bit (scored without the slots of 41-46 they would take those two slots)."""
+    k, v = _run_of_novel_tokens((41, 46), (48, 49))
+    (held, out), (held_j, out_j) = _held(k, v, exact_rows=8), _held(k, v, exact_rows=8, exact_join=True)
+    assert held == held_j == [[8, 9, 41, 42, 43, 44, 45, 46]] * 2 and torch.equal(out, out_j)
+
+
 @pytest.mark.parametrize("exact_rows", [0, 2])
 def test_a_query_for_the_needle_reads_it_exactly_only_from_the_reserve(exact_rows):
     k, v = _needles()
@@ -159,18 +201,20 @@ def test_a_block_that_outscores_no_slot_skips_the_sort_bit_for_bit(monkeypatch, 
     _assert_same_state(fast_st, sort_st)
 
 
-@pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T,gated,lead", [
-    (3, 8, 2, 2, 24, 121, False, 0),
-    (3, 8, 2, 2, 24, 121, False, 1),
-    (12, 8, 2, 0, 24, 121, True, 1),                # more slots than a chunk: the reserve fills over two blocks
-    (5, 4, 3, 1, StateBudget.power_law(2.0, 0.5), 95, False, 9),   # the most lead: every window token after it
-    (4, 8, 1, 2, 24, 121, False, 1),                # a one-chunk window: the lead token is the partial chunk's first
+@pytest.mark.parametrize("exact_rows,chunk_len,n_bswa_chunks,sink_len,budget,T,gated,lead,join", [
+    (3, 8, 2, 2, 24, 121, False, 0, False),
+    (3, 8, 2, 2, 24, 121, False, 1, False),
+    (12, 8, 2, 0, 24, 121, True, 1, False),         # more slots than a chunk: the reserve fills over two blocks
+    (5, 4, 3, 1, StateBudget.power_law(2.0, 0.5), 95, False, 9, False),    # the most lead: every window token after it
+    (4, 8, 1, 2, 24, 121, False, 1, False),         # a one-chunk window: the lead token is the partial chunk's first
+    (6, 4, 2, 1, 24, 121, False, 1, True),          # joined runs
+    (12, 8, 2, 0, 24, 121, True, 0, True),
 ])
-def test_any_split_equals_one_call(exact_rows, chunk_len, n_bswa_chunks, sink_len, budget, T, gated, lead):
+def test_any_split_equals_one_call(exact_rows, chunk_len, n_bswa_chunks, sink_len, budget, T, gated, lead, join):
     q, k, v = _qkv(T=T)
     gate = torch.rand(2, 2, T, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.5
     run = dict(scaling=8 ** -0.5, budget=budget, chunk_len=chunk_len, n_bswa_chunks=n_bswa_chunks,
-               sink_len=sink_len, rope_mode="none", exact_rows=exact_rows, exact_lead=lead)
+               sink_len=sink_len, rope_mode="none", exact_rows=exact_rows, exact_lead=lead, exact_join=join)
     one = ConvertedKVMState()
     full = converted_kvm_attention(q, k, v, one, merge_gate=gate if gated else None, **run)
     base = converted_kvm_attention(q, k, v, ConvertedKVMState(), merge_gate=gate if gated else None,
@@ -293,3 +337,8 @@ def test_spec_parses_and_refuses_in_one_line():
     with pytest.raises(ValueError, match="exact_lead must be in"):
         converted_kvm_attention(*_qkv(T=20), ConvertedKVMState(), scaling=1.0, budget=8, chunk_len=4,
                                 n_bswa_chunks=1, sink_len=0, rope_mode="none", exact_rows=2, exact_lead=2)
+    assert KVMSpec.from_dict({"budget": 128, "exact_rows": 32}).exact_join is False     # saved before it existed
+    assert parse_kvm_spec("exact_join=true") == {"exact_join": True}
+    assert KVMSpec(exact_join=True).op_kwargs()["exact_join"] is True
+    with pytest.raises(ValueError, match="exact_join must be true or false"):
+        parse_kvm_spec("exact_join=2")

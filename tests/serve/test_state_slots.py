@@ -36,7 +36,8 @@ def _run(spec, mode, q, k, v, st, T0, gate=None, learned=None, layer_novelty=Non
     return converted_kvm_attention(q, k, v, st, scaling=D ** -0.5, budget=spec.state_budget, chunk_len=spec.chunk_len,
                                    n_bswa_chunks=spec.n_bswa_chunks, sink_len=spec.sink_len,
                                    rope_mode="none" if mode == "none" else mode, exact_rows=spec.exact_rows,
-                                   exact_lead=spec.exact_lead, merge_gate=gate, layer_novelty=layer_novelty,
+                                   exact_lead=spec.exact_lead, exact_join=spec.exact_join, merge_gate=gate,
+                                   layer_novelty=layer_novelty,
                                    log_count_bias=spec.log_count_bias, **(learned or {}),
                                    **{k_: v_ for k_, v_ in _kwargs(spec, mode, T0, T).items()
                                       if not (mode == "post_rope" and k_ in ("cos", "sin"))})
@@ -77,6 +78,8 @@ CASES = {
                         exact_lead=1), "pre_rope_fixed", False),
     "exact_lead": (dict(budget=16, chunk_len=4, n_bswa_chunks=3, sink_len=1, exact_rows=6, exact_lead=9),
                    "post_rope", False),                     # the most lead: every window token after the block
+    "exact_join": (dict(budget=16, chunk_len=4, n_bswa_chunks=3, sink_len=1, exact_rows=6, exact_lead=1,
+                        exact_join=True, rope_distance=14), "pre_rope_fixed", False),
     "power_law": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1), "none", False),
     "no_count_bias": (dict(budget=StateBudget.power_law(2.0), chunk_len=4, n_bswa_chunks=2, sink_len=1, exact_rows=3,
                            log_count_bias=False), "post_rope", False),
@@ -152,7 +155,7 @@ def test_slots_continue_the_op_exactly(case):
         st = load_state(slots, slot_of[j], layout, spec.sink_len, mode in ("pre_rope_fixed", "split"))
         assert (st.seen, st.covered, st.num_rows) == (ref_states[j].seen, ref_states[j].covered,
                                                       ref_states[j].num_rows)
-        for name in ("key_sum", "value_sum", "count", "buf_k", "buf_v", "reserve_key", "reserve_count"):
+        for name in ("key_sum", "value_sum", "count", "buf_k", "buf_v", "reserve_key", "reserve_count", "reserve_pos"):
             if getattr(ref_states[j], name) is not None:
                 torch.testing.assert_close(getattr(st, name), getattr(ref_states[j], name), atol=1e-5, rtol=1e-5)
 

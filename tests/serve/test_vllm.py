@@ -324,9 +324,11 @@ def test_qwen3_learned_readout_equals_transformers(tmp_path):
 
 
 def test_mistral_equals_transformers(tmp_path):
-    """A tiny Mistral (served by vLLM's Llama code; the KVM window replaces its sliding window) converted and saved:
-    greedy tokens equal load_converted's."""
-    folder = _tiny("mistral", tmp_path / "mistral", SPEC, seed=3)
+    """A tiny Mistral (served by vLLM's Llama code; the KVM window replaces its sliding window) converted and saved,
+    its reserve ranked by the first layer's novelty with cut runs joined (``exact_scope=first,exact_join=true``:
+    the board and the slots' positions through vLLM): greedy tokens equal load_converted's."""
+    spec = SPEC.replace("exact_scope=layer", "exact_scope=first,exact_join=true")
+    folder = _tiny("mistral", tmp_path / "mistral", spec, seed=3)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (120, 75)]
     llm = _engine(folder, skip_tokenizer_init=True)
