@@ -11,7 +11,15 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from kvmeans.eval import ruler_tasks
-from kvmeans.pretrained.arms import Arm, distilled_arm, kvm_arm, kvm_settings, shrink_note, streaming_arm
+from kvmeans.pretrained.arms import (
+    Arm,
+    distilled_arm,
+    effective_record,
+    kvm_arm,
+    kvm_settings,
+    shrink_note,
+    streaming_arm,
+)
 from kvmeans.pretrained.bench import (
     ARMS,
     DEFAULT_KVM,
@@ -123,8 +131,7 @@ def _effective(kvm, samples, a) -> Dict[str, Dict[str, int]]:
     effective = {}
     for k in sorted(keys):
         got = kvm_settings(k, kvm)
-        effective[str(k)] = {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"],
-                             "budget": got["budget"].n, "exact_rows": got.get("exact_rows", 0)}
+        effective[str(k)] = effective_record(got)
         note = shrink_note(k, kvm, got)
         if note:
             print(note, file=sys.stderr, flush=True)

@@ -194,6 +194,13 @@ def kvm_settings(keys: int, kvm) -> dict:
     return settings
 
 
+def effective_record(got: dict) -> dict:
+    """What a KVM arm ran, from its :func:`kvm_settings` (``got``), as benches record it per kept keys
+    (``kvm_effective``): chunk length, chunks of window, state budget, exact rows."""
+    return {"chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"], "budget": got["budget"].n,
+            "exact_rows": got.get("exact_rows", 0)}
+
+
 def shrink_note(keys: int, kvm, got: dict) -> Optional[str]:
     """A one-line note when :func:`kvm_settings` ran a hand-written ``--kvm`` (``kvm``) at ``keys`` kept keys with
     another window than the spec's (``got``: what it returned); ``None`` when the spec ran as written."""

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 
 from kvmeans.models.hf_compat import cache_from
 from kvmeans.pretrained.batch import ConvertedBatchState
-from kvmeans.pretrained.board import NoveltyBoard
+from kvmeans.pretrained.board import BOARD_SCOPES, NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
 from kvmeans.pretrained.op import converted_kvm_attention
 
@@ -57,7 +57,7 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
 def _layer_novelty(module) -> Optional[Callable]:
     """The reserve's ranking shared across the converted layers (``exact_scope`` "model" or "first"), or None."""
     spec, board = module.kvm_spec, module.kvm_board
-    if not spec.exact_rows or spec.exact_scope == "layer" or board is None:
+    if not spec.exact_rows or spec.exact_scope not in BOARD_SCOPES or board is None:
         return None
     return functools.partial(board.combine, module.kvm_layer_pos)
 

@@ -205,7 +205,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
     from transformers import AutoModelForCausalLM
 
     from kvmeans.models.load import load_hf_tokenizer
-    from kvmeans.pretrained.arms import converted_arm, kvm_settings, shrink_note
+    from kvmeans.pretrained.arms import converted_arm, effective_record, kvm_settings, shrink_note
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
     rows: List[Dict[str, Any]] = []
@@ -236,9 +236,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
                 note = shrink_note(keys, kvm, got)
                 if note:
                     log(f"{name}: {note}")
-                settings.setdefault("kvm_effective", {})[str(keys)] = {
-                    "chunk_len": got["chunk_len"], "n_bswa_chunks": got["n_bswa_chunks"], "budget": got["budget"].n,
-                    "exact_rows": got.get("exact_rows", 0)}
+                settings.setdefault("kvm_effective", {})[str(keys)] = effective_record(got)
                 arms.append(converted_arm("kvm", converted(got), length))
             if split is not None:
                 arms.append(converted_arm("kvm-auto", converted(split_settings(split, keys)), length))

@@ -33,7 +33,7 @@ from kvmeans.pretrained.op import ConvertedKVMState, _softcap, _state_read
 
 Slots = Dict[str, Tensor]           # name -> [num_slots, *shape]
 META = ("seen", "covered", "rows")  # the int32 counters of a slot (a fourth entry is spare)
-RESERVE = ("reserve_key", "reserve_value", "reserve_count", "reserve_score", "reserve_pos")
+RESERVE = tuple(f for f in ConvertedKVMState.FIELDS if f.startswith("reserve_"))   # the reserve's tensors
 
 
 def pool_capacity(budget, chunk_len: int, n_bswa_chunks: int, exact_rows: int, max_len: int) -> int:

@@ -29,7 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from kvmeans.pretrained.board import NoveltyBoard
+from kvmeans.pretrained.board import BOARD_SCOPES, NoveltyBoard
 from kvmeans.pretrained.convert import _RopeAt
 from kvmeans.pretrained.op import converted_kvm_attention, state_query
 from kvmeans.serve.state_slots import SlotLayout, decode_batch, load_state, needs_routing, store_state
@@ -87,8 +87,8 @@ class _Shared:
         self.spec = spec
         self.pre_rope = spec.rope_mode in ("pre_rope_fixed", "split")
         self.rope = hf_rope(hf_config) if spec.rope_mode != "none" else None
-        self.board = (NoveltyBoard(n_layers, spec.exact_scope) if spec.exact_rows and spec.exact_scope != "layer"
-                      else None)
+        self.board = (NoveltyBoard(n_layers, spec.exact_scope)
+                      if spec.exact_rows and spec.exact_scope in BOARD_SCOPES else None)
         self._md, self._plan = None, None
 
     def plan(self, md) -> _Plan:
