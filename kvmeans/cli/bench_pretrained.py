@@ -12,6 +12,7 @@ import torch
 
 from kvmeans.eval import ruler_tasks
 from kvmeans.pretrained.arms import (
+    SPLIT_SIZES,
     Arm,
     distilled_arm,
     effective_record,
@@ -33,7 +34,6 @@ from kvmeans.pretrained.bench import (
     tables,
     write_samples,
 )
-from kvmeans.pretrained.calibrate import Split
 from kvmeans.utils.args import UsageError, check_out_dir
 from kvmeans.utils.progress import progress_bar
 
@@ -51,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"kvmeans.convert_hf (its budget is set to match the kept keys, its window to at most half of "
                    f"them; default {DEFAULT_KVM}); 'auto': the split convert_hf(model) calibrates (minutes), spent "
                    "at each setting's kept keys; 'auto:NAME': that calibration split (e.g. auto:C16-w0.75-e0.75, "
-                   "a calibration record's 'chosen') without calibrating; 'none': no KVM arm")
+                   "a calibration record's 'chosen') without calibrating; either followed by other settings than the "
+                   "sizes, e.g. auto:C16-w0.75-e0.75,exact_scope=first,exact_join=1; 'none': no KVM arm")
     p.add_argument("--distilled", metavar="DIR",
                    help="a distilled (saved converted) KVM folder, run at its own settings")
     p.add_argument("--kvpress-results", nargs="+", metavar="FILE", help="kvpress.json files of "
@@ -97,27 +98,38 @@ def _check(p, a) -> None:
 
 
 def _named_split(text: str):
-    """``--kvm auto`` -> ``{"calibrate": True}`` (calibrated once the model is loaded); ``--kvm auto:NAME`` -> that
-    calibration :class:`Split`."""
+    """``--kvm auto[,KEY=VALUE...]`` -> ``{"calibrate": True, **settings}`` (calibrated once the model is loaded);
+    ``--kvm auto:NAME[,KEY=VALUE...]`` -> ``{"split": that calibration Split, **settings}``. The extra settings are
+    any ``convert_hf`` settings but the sizes the split sets (:data:`SPLIT_SIZES`), e.g. ``exact_scope=first``."""
     from kvmeans.pretrained.calibrate import CANDIDATES, split_named
-    if text == "auto":
-        return {"calibrate": True}
-    head, _, name = text.partition(":")
-    names = ", ".join(c.name for c in CANDIDATES)
-    if head != "auto" or not name or "," in name:
-        raise UsageError(f"--kvm {text}: 'auto' takes no other settings; give auto, or auto:NAME with NAME one of "
-                         f"{names}")
+    from kvmeans.pretrained.convert import parse_kvm_spec
+    head, _, rest = text.partition(",")
     try:
-        return split_named(name)
+        extra = parse_kvm_spec(rest) if rest else {}
+    except ValueError as err:
+        raise UsageError(f"--kvm {text}: {err}") from None
+    sized = [k for k in SPLIT_SIZES if k in extra]
+    if sized or extra.get("calibrate"):
+        raise UsageError(f"--kvm {text}: 'auto' sets {', '.join(SPLIT_SIZES)} itself; give auto or auto:NAME "
+                         "followed only by other settings (e.g. auto,exact_scope=first)")
+    if head == "auto":
+        return {"calibrate": True, **extra}
+    auto, _, name = head.partition(":")
+    names = ", ".join(c.name for c in CANDIDATES)
+    if auto != "auto" or not name:
+        raise UsageError(f"--kvm {text}: give auto, or auto:NAME with NAME one of {names}")
+    try:
+        return {"split": split_named(name), **extra}
     except StopIteration:
         raise UsageError(f"--kvm {text}: no calibration split called {name!r}; give one of {names}") from None
 
 
-def _calibrated_split(model, tok):
-    """``(Split, calibration record)`` that ``convert_hf(model)`` picks on its built-in text, once for the run."""
+def _calibrated_split(model, tok, base: dict):
+    """``(Split, calibration record)`` that ``convert_hf(model, **base)`` picks on its built-in text, once for the
+    run."""
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named
     from kvmeans.pretrained.convert import convert_hf
-    chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN)
+    chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN, base=base)
     record = chosen["calibration"]
     print(f"--kvm auto: calibrated split {record['chosen']} ({record['seconds']} s)", flush=True)
     return split_named(record["chosen"]), record
@@ -172,8 +184,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         answers += got[1]
     model = load_model(a.model, torch.float32, "cpu") if a.arms else None
     calibration = None
-    if kvm is not None and not isinstance(kvm, Split) and kvm.get("calibrate"):
-        kvm, calibration = _calibrated_split(model, tok) if "kvm" in a.arms else (None, None)
+    if kvm is not None and kvm.get("calibrate"):
+        extra = {k: v for k, v in kvm.items() if k != "calibrate"}
+        split, calibration = _calibrated_split(model, tok, extra) if "kvm" in a.arms else (None, None)
+        kvm = {"split": split, **extra} if split is not None else None
     effective = _effective(kvm, samples, a) if kvm is not None and "kvm" in a.arms else {}
     distilled = load_model(a.distilled, torch.float32, "cpu") if a.distilled else None
     if distilled is not None and not getattr(distilled.config, "kvm_conversion", None):
@@ -188,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         len(windows) * a.ppl_windows * (n_one + n_comp)
     info = env_info()
     settings = {k: v for k, v in vars(a).items()}
-    settings["kvm_settings"] = {"auto": kvm.name} if isinstance(kvm, Split) else kvm
+    settings["kvm_settings"] = {"auto": kvm["split"].name, **{k: v for k, v in kvm.items() if k != "split"}} \
+        if kvm is not None and "split" in kvm else kvm
     if calibration is not None:
         settings["calibration"] = calibration
     settings["kvm_effective"] = effective       # per kept keys: what the KVM arm ran (kvm_settings)

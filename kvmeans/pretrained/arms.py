@@ -24,8 +24,11 @@ from kvmeans.utils.modules import copy_sharing_weights
 
 __all__ = ["Arm", "streaming_mask", "evict", "token_nll", "perplexity", "window_nll", "run_windows",
            "kvm_kept_keys", "streaming_arm", "converted_arm", "kvm_spec_arm", "saved_arm", "kvm_spec_as_given",
-           "kvm_settings", "kvm_arm",
+           "kvm_settings", "kvm_arm", "SPLIT_SIZES",
            "distilled_arm"]
+
+# the settings a calibration split sets per kept keys (calibrate.split_settings); `--kvm auto:NAME,...` takes others
+SPLIT_SIZES = ("budget", "chunk_len", "n_bswa_chunks", "sink_len", "exact_rows")
 
 
 @dataclass
@@ -166,16 +169,22 @@ def kvm_settings(keys: int, kvm) -> dict:
     """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys. ``kvm`` a dict of settings: those with the
     window shrunk to at most ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed
     state budget; a :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold
-    ``exact_rows``. ``kvm`` a calibration :class:`~kvmeans.pretrained.calibrate.Split` (``--kvm auto``): the
-    split's shares of ``keys`` as ``convert_hf(model)`` spends them (``calibrate.split_settings``)."""
+    ``exact_rows``. ``kvm`` a calibration :class:`~kvmeans.pretrained.calibrate.Split` (``--kvm auto``), or
+    ``{"split": Split, **other settings}`` (``--kvm auto:NAME,exact_scope=first``): the split's shares of ``keys``
+    as ``convert_hf(model)`` spends them (``calibrate.split_settings``), with the other settings (none of
+    :data:`SPLIT_SIZES`)."""
     from kvmeans.ops.budget import StateBudget
     from kvmeans.pretrained.calibrate import Split, split_settings
     from kvmeans.pretrained.convert import KVMSpec
     if isinstance(kvm, Split):
+        kvm = {"split": kvm}
+    if "split" in kvm:
+        split = kvm["split"]
         try:
-            return split_settings(kvm, keys)
+            sizes = split_settings(split, keys)
         except ValueError as err:
-            raise UsageError(f"--kvm auto ({kvm.name}): {err}; drop the shorter lengths / higher ratios") from None
+            raise UsageError(f"--kvm auto ({split.name}): {err}; drop the shorter lengths / higher ratios") from None
+        return {**{k: v for k, v in kvm.items() if k != "split"}, **sizes}
     spec = kvm_spec_as_given(kvm)           # checked against the budget set below, not KVMSpec's default one
     chunk, n = spec.chunk_len, spec.n_bswa_chunks
     while n > 1 and n * chunk > keys // 2:
@@ -205,7 +214,7 @@ def shrink_note(keys: int, kvm, got: dict) -> Optional[str]:
     """A one-line note when :func:`kvm_settings` ran a hand-written ``--kvm`` (``kvm``) at ``keys`` kept keys with
     another window than the spec's (``got``: what it returned); ``None`` when the spec ran as written."""
     from kvmeans.pretrained.calibrate import Split
-    if isinstance(kvm, Split):
+    if isinstance(kvm, Split) or "split" in kvm:
         return None
     given = kvm_spec_as_given(kvm)
     if (got["chunk_len"], got["n_bswa_chunks"]) == (given.chunk_len, given.n_bswa_chunks):

@@ -212,10 +212,41 @@ def test_kvm_auto_spends_a_calibration_split_at_each_kept_keys_without_shrinking
     assert res["settings"]["kvm_effective"]["198"]["budget"] == want["budget"].n
     assert res["settings"]["kvm_settings"] == {"auto": chosen}
     for bad, msg in (("auto:C99-w0.10-e0.00", "no calibration split called 'C99-w0.10-e0.00'; give one of C32"),
-                     ("auto:C16-w0.75-e0.75,exact_rows=4", "'auto' takes no other settings"),
-                     ("auto,exact_rows=4", "--kvm auto,exact_rows=4: 'auto' takes no other settings")):
+                     ("auto:C16-w0.75-e0.75,exact_rows=4", "'auto' sets budget, chunk_len, n_bswa_chunks, sink_len"),
+                     ("auto,chunk_len=8", "--kvm auto,chunk_len=8: 'auto' sets budget"),
+                     ("auto:C16-w0.75-e0.75,exact_scope=all", "exact_scope must be one of"),
+                     ("auto:,exact_join=1", "give auto, or auto:NAME with NAME one of C32"),
+                     ("auto,auto", "'auto' sets budget")):
         with pytest.raises(UsageError, match=msg):
             bp_cli.main(common + ["--out", str(tmp_path / "bad"), "--kvm", bad])
+
+
+def test_kvm_auto_takes_other_settings_beside_the_split(model_dir, tmp_path, monkeypatch):
+    """``--kvm auto:NAME,exact_scope=first,exact_join=1``: the split's sizes at each kept keys plus those settings,
+    as convert_hf gets them and as bench.json records them; ``--kvm auto,...`` calibrates with them."""
+    from kvmeans.pretrained.calibrate import split_named, split_settings
+    seen = []
+    real = bp.kvm_arm
+    monkeypatch.setattr(bp, "kvm_arm", lambda model, keys, kvm: seen.append(bp.kvm_settings(keys, kvm)) or
+                        real(model, keys, kvm))
+    common = ["--model", str(model_dir), "--benches", "niah", "--niah-samples", "1", "--niah-length", "400",
+              "--no-progress", "--arms", "kvm", "--max-new-tokens", "2", "--ratios", "0.5"]
+    bp_cli.main(common + ["--out", str(tmp_path / "named"), "--kvm", "auto:C16-w0.75-e0.75,exact_scope=first,"
+                          "exact_join=1,exact_lead=2"])
+    res = json.loads((tmp_path / "named" / "bench.json").read_text())
+    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75", "exact_scope": "first",
+                                               "exact_join": True, "exact_lead": 2}
+    want = split_settings(split_named("C16-w0.75-e0.75"), 198)
+    assert seen == [{**want, "exact_scope": "first", "exact_join": True, "exact_lead": 2}]
+    assert res["settings"]["kvm_effective"]["198"]["exact_rows"] == want["exact_rows"] > 0
+    calls = []
+    monkeypatch.setattr(bp_cli, "_calibrated_split", lambda model, tok, base: calls.append(base) or
+                        (split_named("C32-w0.50-e0.25"), {"chosen": "C32-w0.50-e0.25"}))
+    bp_cli.main(common + ["--out", str(tmp_path / "cal"), "--kvm", "auto,exact_scope=first"])
+    assert calls == [{"exact_scope": "first"}]
+    res = json.loads((tmp_path / "cal" / "bench.json").read_text())
+    assert res["settings"]["kvm_settings"] == {"auto": "C32-w0.50-e0.25", "exact_scope": "first"}
+    assert seen[-1] == {**split_settings(split_named("C32-w0.50-e0.25"), 198), "exact_scope": "first"}
 
 
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):
