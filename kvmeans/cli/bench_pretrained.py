@@ -158,7 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _check(p, a)
     from kvmeans.models.load import load_hf_tokenizer, load_model
     from kvmeans.utils.args import parse_kvm_arg
-    kvm = None if a.kvm == "none" else _named_split(a.kvm) if a.kvm.startswith("auto") else parse_kvm_arg(a.kvm)
+    kvm = None if a.kvm == "none" else _named_split(a.kvm) if a.kvm.startswith("auto") else \
+        parse_kvm_arg(a.kvm, budget_later=True)         # the budget is set per kept keys (kvm_settings)
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     from transformers.utils import logging as hf_logging

@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not eq or not (Path(folder) / "config.json").is_file():
             raise UsageError(f"--distilled {item}: give NAME=DIR with DIR a saved distilled folder")
         distilled[name] = folder
-    kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm)
+    kvm = None if a.kvm == "none" else parse_kvm_arg(a.kvm, budget_later=True)
     check_out_dir("--out", a.out)
     kvpress = _read_kvpress(a.kvpress_results)
     import torch

@@ -169,10 +169,11 @@ def _parse_layers(text: str) -> Union[str, list]:
     return out
 
 
-def parse_kvm_spec(text: str) -> dict:
+def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
     """``"budget=fixed:128,chunk_len=64,n_bswa_chunks=2,sink_len=4"`` -> the keyword arguments of
     :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields); ``"auto"`` (or ``"auto,layers=..."``):
-    the settings a calibration pass picks (``calibrate=True``)."""
+    the settings a calibration pass picks (``calibrate=True``). ``budget_later``: the caller sets the budget (a
+    bench, per kept keys) and checks ``exact_rows`` against it, so they are not checked here."""
     fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
     out = {}
     items = [s.strip() for s in text.split(",")]
@@ -199,7 +200,8 @@ def parse_kvm_spec(text: str) -> dict:
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
-    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate")})    # validate now: the spec's messages
+    later = ("budget", "exact_rows") if budget_later else ()
+    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate") + later})    # the spec's messages now
     return out
 
 

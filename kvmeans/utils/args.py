@@ -33,13 +33,14 @@ def check_out_dir(flag: str, path: "os.PathLike | str") -> None:
         raise UsageError(f"{flag} {path} is a file; give a folder (it is created if missing)")
 
 
-def parse_kvm_arg(spec: Optional[str]) -> Optional[dict]:
-    """``convert_hf`` keyword arguments of ``--kvm SPEC`` (None without it); a :class:`UsageError` when bad."""
+def parse_kvm_arg(spec: Optional[str], budget_later: bool = False) -> Optional[dict]:
+    """``convert_hf`` keyword arguments of ``--kvm SPEC`` (None without it); a :class:`UsageError` when bad.
+    ``budget_later``: the command sets the budget per kept keys (benches), so ``exact_rows`` is checked then."""
     if spec is None:
         return None
     from kvmeans.pretrained.convert import parse_kvm_spec
     try:
-        return parse_kvm_spec(spec)
+        return parse_kvm_spec(spec, budget_later=budget_later)
     except ValueError as err:
         raise UsageError(f"--kvm {spec}: {err}") from None
 

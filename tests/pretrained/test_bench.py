@@ -14,6 +14,7 @@ pytest.importorskip("wonderwords")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+import kvmeans  # noqa: E402
 from kvmeans.cli import bench_pretrained as bp_cli  # noqa: E402
 from kvmeans.eval import ruler  # noqa: E402
 from kvmeans.pretrained import bench as bp  # noqa: E402
@@ -171,6 +172,19 @@ def test_a_reserve_that_a_cell_cannot_hold_is_refused_before_any_arm_runs(model_
     with pytest.raises(bp.UsageError, match="exact_rows=64 does not fit"):
         bp_cli.main(argv)
     assert not ran and not (tmp_path / "run" / "bench.json").exists()
+
+
+def test_exact_rows_are_checked_against_the_kept_keys_not_the_default_budget(model_dir, tmp_path):
+    """The bench sets the budget per kept keys, so ``exact_rows`` above KVMSpec's default budget (128) runs where the
+    kept keys hold it (198 keys at 0.5: a 16-token window and 182 rows, at most 166 exact)."""
+    argv = ["--model", str(model_dir), "--out", str(tmp_path / "run"), "--benches", "niah", "--niah-samples", "1",
+            "--niah-length", "400", "--no-progress", "--arms", "kvm", "--max-new-tokens", "2", "--ratios", "0.5",
+            "--kvm", "chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=150"]
+    bp_cli.main(argv)
+    got = json.loads((tmp_path / "run" / "bench.json").read_text())["settings"]["kvm_effective"]
+    assert got == {"198": {"chunk_len": 8, "n_bswa_chunks": 2, "budget": 182, "exact_rows": 150}}
+    with pytest.raises(ValueError, match="exact_rows must be in"):         # outside a bench: checked at once
+        kvmeans.parse_kvm_spec("chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=150")
 
 
 def test_a_shrunk_window_is_said_and_recorded(model_dir, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """RULER scores (kvpress / RULER's string_match_all: the share of a sample's answers found in its prediction, x100,
-averaged over samples) per task, arm and ratio from a `kvmeans bench pretrained` bench.json: python summarize.py
-bench.json [samples.jsonl]"""
+averaged over samples) per task, arm and ratio from `kvmeans bench pretrained` bench.json files, side by side:
+python summarize.py [LABEL=]bench.json ... (the samples.jsonl beside each file, or else the first file's; every
+answer's sample sha256 is checked; a LABEL prefixes that file's arms, e.g. first-join=q05-4k-first-join/bench.json)"""
 import json
 import sys
 from collections import defaultdict
@@ -8,15 +9,20 @@ from pathlib import Path
 
 from kvmeans.eval import ruler
 
-bench = json.loads(Path(sys.argv[1]).read_text())
-samples_path = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(sys.argv[1]).with_name("samples.jsonl")
-samples = {s["id"]: s for s in map(json.loads, samples_path.read_text().splitlines())}
 cells = defaultdict(list)
-for a in bench["answers"]:
-    s = samples[a["id"]]
-    _, per = ruler.string_match_all([a["pred"]], [s["answers"]])
-    cells[(s["bench"], a["arm"], a["ratio"])].append(per[0])
-arms = sorted({(arm, r) for _, arm, r in cells}, key=lambda x: (x[0] != "full", x[1] or 0))
+first = Path(sys.argv[1].rpartition("=")[2]).with_name("samples.jsonl")
+for arg in sys.argv[1:]:
+    label, _, path = arg.rpartition("=")
+    bench = json.loads(Path(path).read_text())
+    beside = Path(path).with_name("samples.jsonl")
+    samples = {s["id"]: s for s in map(json.loads, (beside if beside.exists() else first).read_text().splitlines())}
+    for a in bench["answers"]:
+        s = samples[a["id"]]
+        assert s["sha256"] == a["sha256"], f"{path}: {a['id']} ran other token ids than {beside}"
+        _, per = ruler.string_match_all([a["pred"]], [s["answers"]])
+        arm = f"{label} {a['arm']}" if label and a["arm"] != "full" else a["arm"]
+        cells[(s["bench"], arm, a["ratio"])].append(per[0])
+arms = sorted({(arm, r) for _, arm, r in cells}, key=lambda x: (x[0] != "full", x[1] or 0, x[0]))
 tasks = list(dict.fromkeys(t for t, _, _ in cells))
 print("| task | n | " + " | ".join(a[0] if a[1] is None else f"{a[0]} {a[1]}" for a in arms) + " |")
 print("|---" * (len(arms) + 2) + "|")
@@ -30,7 +36,7 @@ for t in tasks:
             means[a].append(100 * sum(v) / len(v))
         else:
             row.append("-")
-    n = len(cells.get((t, "full", None), []))
+    n = max(len(cells.get((t, *a), [])) for a in arms)
     print(f"| {t} | {n} | " + " | ".join(row) + " |")
 mean = [f"**{sum(means[a]) / len(means[a]):.1f}** ({len(means[a])} tasks)" for a in arms]
 print("| **mean** | | " + " | ".join(mean) + " |")
