@@ -169,15 +169,12 @@ def kvm_settings(keys: int, kvm) -> dict:
     """The ``convert_hf`` settings of the KVM arm at ``keys`` kept keys. ``kvm`` a dict of settings: those with the
     window shrunk to at most ``keys // 2`` (fewer chunks, then halved chunks) and the rest of ``keys`` as a fixed
     state budget; a :class:`UsageError` naming ``--kvm`` when they leave no state rows or cannot hold
-    ``exact_rows``. ``kvm`` a calibration :class:`~kvmeans.pretrained.calibrate.Split` (``--kvm auto``), or
-    ``{"split": Split, **other settings}`` (``--kvm auto:NAME,exact_scope=first``): the split's shares of ``keys``
-    as ``convert_hf(model)`` spends them (``calibrate.split_settings``), with the other settings (none of
-    :data:`SPLIT_SIZES`)."""
+    ``exact_rows``. ``kvm`` ``{"split": a calibration Split, **other settings}`` (``--kvm auto[:NAME],...``): the
+    split's shares of ``keys`` as ``convert_hf(model)`` spends them (``calibrate.split_settings``), with the other
+    settings (none of :data:`SPLIT_SIZES`)."""
     from kvmeans.ops.budget import StateBudget
-    from kvmeans.pretrained.calibrate import Split, split_settings
+    from kvmeans.pretrained.calibrate import split_settings
     from kvmeans.pretrained.convert import KVMSpec
-    if isinstance(kvm, Split):
-        kvm = {"split": kvm}
     if "split" in kvm:
         split = kvm["split"]
         try:
@@ -213,8 +210,7 @@ def effective_record(got: dict) -> dict:
 def shrink_note(keys: int, kvm, got: dict) -> Optional[str]:
     """A one-line note when :func:`kvm_settings` ran a hand-written ``--kvm`` (``kvm``) at ``keys`` kept keys with
     another window than the spec's (``got``: what it returned); ``None`` when the spec ran as written."""
-    from kvmeans.pretrained.calibrate import Split
-    if isinstance(kvm, Split) or "split" in kvm:
+    if "split" in kvm:
         return None
     given = kvm_spec_as_given(kvm)
     if (got["chunk_len"], got["n_bswa_chunks"]) == (given.chunk_len, given.n_bswa_chunks):
