@@ -1,5 +1,6 @@
 """RULER scores (kvpress / RULER's string_match_all: the share of a sample's answers found in its prediction, x100,
-averaged over samples) per task, arm and ratio from `kvmeans bench pretrained` bench.json files, side by side:
+averaged over samples) per task, arm and ratio from `kvmeans bench pretrained` bench.json files (or kvpress.json
+files of benchmarks/kvpress/run_kvpress.py on the same samples.jsonl), side by side:
 python summarize.py [LABEL=]bench.json ... (the samples.jsonl beside each file, or else the first file's; every
 answer's sample sha256 is checked; a LABEL prefixes that file's arms, e.g. first-join=q05-4k-first-join/bench.json)"""
 import json
@@ -16,7 +17,7 @@ for arg in sys.argv[1:]:
     bench = json.loads(Path(path).read_text())
     beside = Path(path).with_name("samples.jsonl")
     samples = {s["id"]: s for s in map(json.loads, (beside if beside.exists() else first).read_text().splitlines())}
-    for a in bench["answers"]:
+    for a in bench["answers"] if "answers" in bench else bench["samples"]:     # bench.json / kvpress.json
         s = samples[a["id"]]
         assert s["sha256"] == a["sha256"], f"{path}: {a['id']} ran other token ids than {beside}"
         _, per = ruler.string_match_all([a["pred"]], [s["answers"]])
