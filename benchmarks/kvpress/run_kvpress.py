@@ -1,7 +1,8 @@
 """kvpress 0.5.5's presses on kvmeans' samples, run in kvpress' own venv (``setup.sh``; it imports no kvmeans).
 
     VENV/bin/python benchmarks/kvpress/run_kvpress.py --samples OUT/samples.jsonl --model DIR --out OUT/kvpress \\
-        [--presses none streaming knorm snapkv tova merging_knorm expected_attention] [--ratios 0.5 0.75]
+        [--presses none streaming knorm snapkv tova merging_knorm expected_attention adakv_expected_attention
+                   adakv_snapkv kvzip] [--ratios 0.5 0.75]
 
 ``samples.jsonl`` (from ``kvmeans bench pretrained``): one JSON object per line with ``id``, ``sha256``,
 ``bench``, ``length``, ``context_ids`` (what a press compresses: the chat template's head and the haystack),
@@ -20,6 +21,10 @@ press compresses the prefilled context to ``keys`` keys (ratio ``1 - keys / cont
 window is scored teacher-forced over that cache at its own positions, appended uncompressed: the continuation
 perplexity, one row per (press, cell), written as above. ``none`` (no press) checks the harness: it should give
 the run's full-attention continuation perplexity.
+
+The ``adakv_*`` presses (AdaKV's head-wise budgets around a scorer) and ``kvzip`` (KVzip: context reconstruction,
+2-3 prefills) mask keys in kvpress' attention patch instead of removing them: their cache keeps every key, so
+``kept_keys`` counts the unmasked keys per layer and kv head, and ``cache_bytes`` stays the full cache.
 """
 from __future__ import annotations
 
@@ -34,7 +39,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PRESSES = ("none", "streaming", "knorm", "snapkv", "tova", "merging_knorm", "expected_attention")
+PRESSES = ("none", "streaming", "knorm", "snapkv", "tova", "merging_knorm", "expected_attention",
+           "adakv_expected_attention", "adakv_snapkv", "kvzip")
+# Head-wise presses mask keys (kvpress' attention patch) instead of dropping them: their cache holds every key,
+# and the keys they keep are counted from the masks (``masked_kept``).
+MASKING = ("adakv_expected_attention", "adakv_snapkv", "kvzip")
 
 
 def make_press(name: str, ratio: float):
@@ -48,6 +57,10 @@ def make_press(name: str, ratio: float):
         return simple[name](compression_ratio=ratio)
     if name == "merging_knorm":
         return kvpress.MergingPress(press=kvpress.KnormPress(compression_ratio=ratio))
+    if name.startswith("adakv_") and name[len("adakv_"):] in simple:
+        return kvpress.AdaKVPress(press=simple[name[len("adakv_"):]](compression_ratio=ratio))
+    if name == "kvzip":
+        return kvpress.KVzipPress(compression_ratio=ratio)
     raise ValueError(f"--presses: unknown {name!r}; choose from {', '.join(PRESSES)}")
 
 
@@ -88,11 +101,27 @@ def run_sample(pipe, press, sample, max_new_tokens: int) -> dict:
             model.model(input_ids=ctx, past_key_values=cache)
         t1 = time.perf_counter()
         kept = cache.get_seq_length()
+        if any(m is not None for m in _masks(model)):
+            kept = masked_kept(model, kept)
         nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         text = pipe.generate_answer(question_ids=question, cache=cache, context_length=ctx.shape[1],
                                     max_new_tokens=max_new_tokens)
         t2 = time.perf_counter()
     return {"pred": text, "kept_keys": kept, "cache_bytes": nbytes, "prefill_s": t1 - t0, "answer_s": t2 - t1}
+
+
+def _masks(model) -> list:
+    """Per decoder layer, the ``(batch, head, position)`` indices a head-wise press masked (None: none)."""
+    return [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+
+
+def masked_kept(model, length: int) -> float:
+    """Keys per layer and kv head that a masking press keeps of ``length`` (batch 1): the cache holds all
+    ``length``, the masked ones read as zero weight."""
+    masks = _masks(model)
+    heads = model.config.num_key_value_heads
+    dropped = sum(0 if m is None else m[0].numel() for m in masks)
+    return length - dropped / (len(masks) * heads)
 
 
 def continuation_nll(model, press, record) -> tuple:
@@ -110,6 +139,8 @@ def continuation_nll(model, press, record) -> tuple:
         with press(model) if press is not None else contextlib.nullcontext():
             last = model(input_ids=ids[:, :n], past_key_values=cache, logits_to_keep=1).logits[:, -1:]
         kept = cache.get_seq_length()
+        if any(m is not None for m in _masks(model)):
+            kept = masked_kept(model, kept)
         # the tokens' own positions, as kvpress' pipeline passes them for a question: after compression the cache
         # holds `kept` keys, and positions inferred from its length would put the continuation at `kept`
         positions = torch.arange(n, ids.shape[1] - 1, device=model.device).unsqueeze(0)

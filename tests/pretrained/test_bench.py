@@ -336,19 +336,35 @@ def test_command_writes_samples_table_and_merges(model_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not KVPRESS_PY.exists(), reason="kvpress venv not built (benchmarks/kvpress/setup.sh)")
-def test_kvpress_runner_reads_our_samples(model_dir, tok, tmp_path):
+def test_kvpress_runner_reads_our_samples(tok, tmp_path):
     """The runner (kvpress' venv) answers our samples by id with kvpress' presses, and its file merges here."""
+    torch.manual_seed(0)
+    # queries in one half-space: kvpress' attention patch masks a key by a fake key that every query misses,
+    # and finds none for a random model's queries
+    cfg = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                      eos_token_id=257, bos_token_id=256, attention_bias=True)
+    m = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.bias.fill_(2.0)
+    model_dir = tmp_path / "tiny"
+    m.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
     s = bp.niah_samples(tok, n=2, context_tokens=400, seed=0)
     bp.write_samples(tmp_path / "s.jsonl", s)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([str(KVPRESS_PY), str(RUNNER), "--samples", str(tmp_path / "s.jsonl"), "--model", str(model_dir),
-                    "--out", str(tmp_path / "kv"), "--presses", "none", "knorm", "--ratios", "0.5",
-                    "--max-new-tokens", "3"], check=True, env=env, capture_output=True)
+                    "--out", str(tmp_path / "kv"), "--presses", "none", "knorm", "adakv_expected_attention",
+                    "--ratios", "0.5", "--max-new-tokens", "3"], check=True, env=env, capture_output=True)
     res = json.loads((tmp_path / "kv" / "kvpress.json").read_text())
     assert res["settings"]["tokenizer_mismatches"] == []
-    assert [r["kept_keys"] for r in res["rows"]] == [len(s[0]["context_ids"]), len(s[0]["context_ids"]) // 2]
+    n = len(s[0]["context_ids"])
+    # AdaKV masks keys instead of dropping them: it holds the whole cache and is counted by its masks
+    assert [r["kept_keys"] for r in res["rows"]] == [n, n // 2, n // 2]
+    assert res["rows"][2]["cache_bytes"] == res["rows"][0]["cache_bytes"] > res["rows"][1]["cache_bytes"]
     rows, _ = bp.merge_kvpress(res, s, tok)
-    assert [r["arm"] for r in rows] == ["kvpress none", "kvpress knorm"]
+    assert [r["arm"] for r in rows] == ["kvpress none", "kvpress knorm", "kvpress adakv_expected_attention"]
     # no compression in kvpress == our full arm on the same ids
     full = bp.answer(bp.Arm("full", LlamaForCausalLM.from_pretrained(model_dir).eval()), s[0]["context_ids"],
                      s[0]["question_ids"], 3, stop={257})
