@@ -29,9 +29,17 @@ from kvmeans.utils.weights import named_weight_errors
 
 CONFIG_KEY = "kvm_conversion"
 EXACT_SCOPES = ("model", "layer", "first")
-# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions
-FAMILIES = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3_text": True,
-            "gpt_neox": True, "gpt2": False}
+# model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions.
+# Each is tested on a tiny random config (tests/pretrained/test_convert.py), including that our ``unrotate``
+# inverts the family's own rotation (the rotate-half layout). Not here: interleaved RoPE (Cohere, GPT-J, GLM)
+# and layers without RoPE among RoPE layers (SmolLM3, Llama 4), whose pre-RoPE keys the op would misread.
+FAMILIES = {"llama": True, "mistral": True, "mixtral": True, "qwen2": True, "qwen2_moe": True, "qwen3": True,
+            "qwen3_moe": True, "gemma": True, "gemma2": True, "gemma3_text": True, "phi": True, "phi3": True,
+            "olmo": True, "olmo2": True, "granite": True, "stablelm": True, "starcoder2": True, "gpt_neox": True,
+            "gpt2": False}
+UNSUPPORTED = {"cohere": "interleaved RoPE", "cohere2": "interleaved RoPE", "gptj": "interleaved RoPE",
+               "glm": "interleaved RoPE", "glm4": "interleaved RoPE", "smollm3": "layers without RoPE",
+               "llama4_text": "layers without RoPE", "exaone4": "layers without RoPE"}
 
 
 @dataclass(frozen=True)
@@ -392,7 +400,9 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     family = cfg.model_type
     if family not in FAMILIES:
-        raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}")
+        why = f" ({UNSUPPORTED[family]}: the op reads keys before RoPE in the rotate-half layout)" \
+            if family in UNSUPPORTED else ""
+        raise ValueError(f"convert_hf supports model_type in {sorted(FAMILIES)}, got {family!r}{why}")
     attn = _attention_layers(model)
     kinds = getattr(cfg, "layer_types", None)
     is_global = {i: kinds is None or kinds[i] != "sliding_attention" for i in attn}

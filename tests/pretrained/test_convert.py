@@ -24,6 +24,17 @@ FAMILIES = {
     "gemma2": lambda: tf.Gemma2Config(num_key_value_heads=2, head_dim=16, **COMMON),
     "gemma3": lambda: tf.Gemma3TextConfig(num_key_value_heads=2, head_dim=16, sliding_window=16,
                                           layer_types=["sliding_attention", "full_attention"], **COMMON),
+    "gemma": lambda: tf.GemmaConfig(num_key_value_heads=2, head_dim=16, **COMMON),
+    "mixtral": lambda: tf.MixtralConfig(num_key_value_heads=2, num_local_experts=2, **COMMON),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(num_key_value_heads=2, moe_intermediate_size=32, **COMMON),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, **COMMON),
+    "phi": lambda: tf.PhiConfig(num_key_value_heads=2, **COMMON),                  # partial rotary, dense qkv
+    "phi3": lambda: tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **COMMON),   # fused qkv
+    "olmo": lambda: tf.OlmoConfig(num_key_value_heads=2, pad_token_id=0, **COMMON),
+    "olmo2": lambda: tf.Olmo2Config(num_key_value_heads=2, pad_token_id=0, **COMMON),  # norms on q/k
+    "granite": lambda: tf.GraniteConfig(num_key_value_heads=2, attention_multiplier=0.2, **COMMON),
+    "stablelm": lambda: tf.StableLmConfig(num_key_value_heads=2, **COMMON),
+    "starcoder2": lambda: tf.Starcoder2Config(num_key_value_heads=2, **COMMON),
     "gpt2": lambda: tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
     "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=128),
@@ -53,6 +64,51 @@ def test_exact_while_nothing_is_compressed(family, case):
     if case == "nothing_merges" and family != "gpt2":
         settings = {**settings, "rope_mode": "post_rope"}
     torch.testing.assert_close(convert_hf(model, **settings)(x).logits, ref, rtol=0, atol=1e-5)
+
+
+def _first_layer_keys(model, x, start):
+    """Layer 0's post-RoPE keys ``[B, Hkv, T, D]`` at positions ``start..`` and the RoPE ``(cos, sin) [B, T, R]``
+    the model passed it (the layer's input does not depend on positions, so its pre-RoPE keys do not)."""
+    got = {}
+
+    def capture(module, query, key, value, attention_mask, **kw):      # only the keys matter: any [B, T, H, D]
+        got.setdefault("k", key)
+        return query.transpose(1, 2).contiguous(), None
+
+    tf.AttentionInterface.register("kvmeans_test_capture", capture)
+    model.set_attn_implementation("kvmeans_test_capture")
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention") and m.layer_idx == 0)
+    def rope(module, args, kwargs):
+        got.setdefault("rope", kwargs["position_embeddings"])
+
+    hook = layer.register_forward_pre_hook(rope, with_kwargs=True)
+    try:
+        model(x, position_ids=torch.arange(start, start + x.shape[1]).expand_as(x))
+    finally:
+        hook.remove()
+    return got["k"], got["rope"]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
+@torch.no_grad()
+def test_unrotate_inverts_the_family_rope(family):
+    """The op reads keys before RoPE (``pre_rope_fixed``) by our ``unrotate`` (rotate-half layout): the same
+    tokens at positions 0.. and 37.. unrotate to the same keys. An interleaved-RoPE family would fail here."""
+    model, x = tiny(family), ids(12, B=1)
+    (k0, (c0, s0)), (k1, (c1, s1)) = _first_layer_keys(model, x, 0), _first_layer_keys(model, x, 37)
+    assert (k0 - k1).abs().max() > 1e-3                                  # the keys are rotated
+    torch.testing.assert_close(unrotate(k0, c0[:, None], s0[:, None]), unrotate(k1, c1[:, None], s1[:, None]))
+
+
+@pytest.mark.parametrize("family", ["cohere", "gptj", "smollm3"])
+def test_families_whose_rope_the_op_would_misread_are_refused(family):
+    cfg = {"cohere": lambda: tf.CohereConfig(num_key_value_heads=2, **COMMON),
+           "gptj": lambda: tf.GPTJConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+           "smollm3": lambda: tf.SmolLM3Config(num_key_value_heads=2, pad_token_id=0, **COMMON)}[family]()
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    why = "layers without RoPE" if family == "smollm3" else "interleaved RoPE"
+    with pytest.raises(ValueError, match=f"got '{family}' \\({why}"):
+        convert_hf(model, **SMALL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
