@@ -16,6 +16,7 @@ from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention, ro
 
 V = 128
 COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
     "llama": lambda: tf.LlamaConfig(num_key_value_heads=2, **COMMON),
     "qwen2": lambda: tf.Qwen2Config(num_key_value_heads=2, **COMMON),
@@ -26,8 +27,8 @@ FAMILIES = {
                                           layer_types=["sliding_attention", "full_attention"], **COMMON),
     "gemma": lambda: tf.GemmaConfig(num_key_value_heads=2, head_dim=16, **COMMON),
     "mixtral": lambda: tf.MixtralConfig(num_key_value_heads=2, num_local_experts=2, **COMMON),
-    "qwen2_moe": lambda: tf.Qwen2MoeConfig(num_key_value_heads=2, moe_intermediate_size=32, **COMMON),
-    "qwen3_moe": lambda: tf.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, **COMMON),
+    "qwen2_moe": lambda: tf.Qwen2MoeConfig(num_key_value_heads=2, shared_expert_intermediate_size=32, **MOE, **COMMON),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, **MOE, **COMMON),
     "phi": lambda: tf.PhiConfig(num_key_value_heads=2, **COMMON),                  # partial rotary, dense qkv
     "phi3": lambda: tf.Phi3Config(num_key_value_heads=2, pad_token_id=0, **COMMON),   # fused qkv
     "olmo": lambda: tf.OlmoConfig(num_key_value_heads=2, pad_token_id=0, **COMMON),
