@@ -31,15 +31,15 @@ CONFIG_KEY = "kvm_conversion"
 EXACT_SCOPES = ("model", "layer", "first")
 # model_type -> whether the family rotates q/k (RoPE, possibly partial); GPT-2 has learned absolute positions.
 # Each is tested on a tiny random config (tests/pretrained/test_convert.py), including that our ``unrotate``
-# inverts the family's own rotation (the rotate-half layout). Not here: interleaved RoPE (Cohere, GPT-J, GLM)
-# and layers without RoPE among RoPE layers (SmolLM3, Llama 4), whose pre-RoPE keys the op would misread.
+# inverts the family's own rotation (the rotate-half layout). SmolLM3's layers without RoPE (``use_rope`` false)
+# are converted with ``rope_mode="none"``. Not here (``UNSUPPORTED``): interleaved RoPE (Cohere, GPT-J, GLM,
+# Llama 4) and EXAONE 4, whose global layers drop RoPE unmarked.
 FAMILIES = {"llama": True, "mistral": True, "mixtral": True, "qwen2": True, "qwen2_moe": True, "qwen3": True,
             "qwen3_moe": True, "gemma": True, "gemma2": True, "gemma3_text": True, "phi": True, "phi3": True,
-            "olmo": True, "olmo2": True, "granite": True, "stablelm": True, "starcoder2": True, "gpt_neox": True,
-            "gpt2": False}
-UNSUPPORTED = {"cohere": "interleaved RoPE", "cohere2": "interleaved RoPE", "gptj": "interleaved RoPE",
-               "glm": "interleaved RoPE", "glm4": "interleaved RoPE", "smollm3": "layers without RoPE",
-               "llama4_text": "layers without RoPE", "exaone4": "layers without RoPE"}
+            "olmo": True, "olmo2": True, "granite": True, "stablelm": True, "starcoder2": True, "smollm3": True,
+            "gpt_neox": True, "gpt2": False}
+UNSUPPORTED = {**dict.fromkeys(("cohere", "cohere2", "gptj", "glm", "glm4", "llama4_text"), "interleaved RoPE"),
+               "exaone4": "layers without RoPE"}
 
 
 @dataclass(frozen=True)
@@ -437,7 +437,10 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     # exact_scope "model" / "first": one board per model
     board = NoveltyBoard(len(chosen), spec.exact_scope) if chosen and spec.exact_scope in BOARD_SCOPES else None
     for pos, i in enumerate(chosen):
-        convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
+        if has_rope and not getattr(attn[i], "use_rope", True):    # SmolLM3's NoPE layers: keys carry no position
+            convert_attention_layer(attn[i], dataclasses.replace(spec, rope_mode="none"), None, board, pos)
+        else:
+            convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
     model.__dict__.pop("_kvm_modules", None)
     compact = all(i in chosen for i in attn if is_global[i])     # no plain full-attention layer reads the mask
     for i in chosen:

@@ -36,6 +36,7 @@ FAMILIES = {
     "granite": lambda: tf.GraniteConfig(num_key_value_heads=2, attention_multiplier=0.2, **COMMON),
     "stablelm": lambda: tf.StableLmConfig(num_key_value_heads=2, **COMMON),
     "starcoder2": lambda: tf.Starcoder2Config(num_key_value_heads=2, **COMMON),
+    "smollm3": lambda: tf.SmolLM3Config(num_key_value_heads=2, pad_token_id=0, no_rope_layers=[1, 0], **COMMON),
     "gpt2": lambda: tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
     "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          intermediate_size=128),
@@ -101,15 +102,27 @@ def test_unrotate_inverts_the_family_rope(family):
     torch.testing.assert_close(unrotate(k0, c0[:, None], s0[:, None]), unrotate(k1, c1[:, None], s1[:, None]))
 
 
-@pytest.mark.parametrize("family", ["cohere", "gptj", "smollm3"])
+@pytest.mark.parametrize("family", ["cohere", "gptj"])
 def test_families_whose_rope_the_op_would_misread_are_refused(family):
     cfg = {"cohere": lambda: tf.CohereConfig(num_key_value_heads=2, **COMMON),
-           "gptj": lambda: tf.GPTJConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
-           "smollm3": lambda: tf.SmolLM3Config(num_key_value_heads=2, pad_token_id=0, **COMMON)}[family]()
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    why = "layers without RoPE" if family == "smollm3" else "interleaved RoPE"
-    with pytest.raises(ValueError, match=f"got '{family}' \\({why}"):
-        convert_hf(model, **SMALL)
+           "gptj": lambda: tf.GPTJConfig(vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8)}[family]()
+    with pytest.raises(ValueError, match=f"got '{family}' \\(interleaved RoPE"):
+        convert_hf(tf.AutoModelForCausalLM.from_config(cfg), **SMALL)
+
+
+@torch.no_grad()
+def test_layers_without_rope_read_their_keys_as_they_are():
+    """SmolLM3's NoPE layers under the default pre-RoPE read: nothing merges (budget >= T), so a layer that does
+    not un-rotate keys it never rotated gives the original logits; the RoPE layer keeps the pre-RoPE read."""
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(
+        tf.SmolLM3Config(num_key_value_heads=2, pad_token_id=0, no_rope_layers=[0, 0], **COMMON)).eval()
+    x = ids(100)
+    ref = model(x).logits
+    torch.testing.assert_close(convert_hf(model, **{**SMALL, "budget": 1000})(x).logits, ref, rtol=0, atol=1e-5)
+    mixed = convert_hf(tiny("smollm3"), **SMALL)
+    assert [m.self_attn.kvm_spec.rope_mode for m in mixed.model.layers] == ["pre_rope_fixed", "none"]
+    assert mixed.config.kvm_conversion["rope_mode"] == "pre_rope_fixed"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
