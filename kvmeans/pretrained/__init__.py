@@ -1,5 +1,5 @@
 """KVM for pretrained transformers models (the families of ``convert.FAMILIES``: Llama, Qwen, Mistral, Gemma, Phi,
-OLMo, Granite, StableLM, StarCoder2, GPT-NeoX, GPT-2 and their MoE kin).
+OLMo, Granite, StableLM, StarCoder2, SmolLM3, GPT-NeoX, GPT-2 and their MoE kin).
 
 ``convert.py`` converts a loaded model in place (``convert_hf``) and reloads a saved one
 (``load_converted``); ``attention.py`` is the converted layer's attention function; ``op.py`` the
