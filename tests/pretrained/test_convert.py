@@ -125,6 +125,27 @@ def test_layers_without_rope_read_their_keys_as_they_are():
     assert mixed.config.kvm_conversion["rope_mode"] == "pre_rope_fixed"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.no_grad()
+def test_half_precision_model_runs_in_its_dtype_close_to_fp32(family, dtype):
+    """A model loaded in bf16 / fp16 (how GPUs run them) converts and decodes in its dtype: its logits near the
+    fp32 conversion's, and prefill + decode near its own single forward (exact rows in use)."""
+    settings = {**SMALL, "budget": 16, "exact_rows": 4}
+    x = ids(100)
+    ref = convert_hf(tiny(family), **settings)(x).logits
+    model = convert_hf(tiny(family).to(dtype), **settings)
+    one = model(x).logits
+    assert one.dtype == dtype
+    torch.testing.assert_close(one.float(), ref, rtol=0, atol=0.05)
+    out = model(x[:, :37], use_cache=True)
+    cache, parts = cache_from(out), [out.logits]
+    for t in range(37, 100):
+        out = model(x[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
+        parts.append(out.logits)
+    torch.testing.assert_close(torch.cat(parts, 1).float(), one.float(), rtol=0, atol=0.02)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_prefill_then_token_by_token_decode_equals_one_forward(family):
