@@ -41,9 +41,6 @@ from pathlib import Path
 
 PRESSES = ("none", "streaming", "knorm", "snapkv", "tova", "merging_knorm", "expected_attention",
            "adakv_expected_attention", "adakv_snapkv", "kvzip")
-# Head-wise presses mask keys (kvpress' attention patch) instead of dropping them: their cache holds every key,
-# and the keys they keep are counted from the masks (``masked_kept``).
-MASKING = ("adakv_expected_attention", "adakv_snapkv", "kvzip")
 
 
 def make_press(name: str, ratio: float):
@@ -100,9 +97,7 @@ def run_sample(pipe, press, sample, max_new_tokens: int) -> dict:
         with press(model) if press is not None else contextlib.nullcontext():
             model.model(input_ids=ctx, past_key_values=cache)
         t1 = time.perf_counter()
-        kept = cache.get_seq_length()
-        if any(m is not None for m in _masks(model)):
-            kept = masked_kept(model, kept)
+        kept = kept_keys(model, cache)
         nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         text = pipe.generate_answer(question_ids=question, cache=cache, context_length=ctx.shape[1],
                                     max_new_tokens=max_new_tokens)
@@ -110,18 +105,16 @@ def run_sample(pipe, press, sample, max_new_tokens: int) -> dict:
     return {"pred": text, "kept_keys": kept, "cache_bytes": nbytes, "prefill_s": t1 - t0, "answer_s": t2 - t1}
 
 
-def _masks(model) -> list:
-    """Per decoder layer, the ``(batch, head, position)`` indices a head-wise press masked (None: none)."""
-    return [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
-
-
-def masked_kept(model, length: int) -> float:
-    """Keys per layer and kv head that a masking press keeps of ``length`` (batch 1): the cache holds all
-    ``length``, the masked ones read as zero weight."""
-    masks = _masks(model)
-    heads = model.config.num_key_value_heads
+def kept_keys(model, cache):
+    """Keys per layer (and kv head) the prefilled ``cache`` keeps (batch 1). A head-wise press masks keys (kvpress'
+    attention patch: ``masked_key_indices`` per layer) instead of dropping them, so its cache holds every key and
+    the masked ones are taken off here (a float: the mean over layers and kv heads)."""
+    length = cache.get_seq_length()
+    masks = [getattr(layer.self_attn, "masked_key_indices", None) for layer in model.model.layers]
+    if all(m is None for m in masks):
+        return length
     dropped = sum(0 if m is None else m[0].numel() for m in masks)
-    return length - dropped / (len(masks) * heads)
+    return length - dropped / (len(masks) * model.config.num_key_value_heads)
 
 
 def continuation_nll(model, press, record) -> tuple:
@@ -138,9 +131,7 @@ def continuation_nll(model, press, record) -> tuple:
     with torch.no_grad():
         with press(model) if press is not None else contextlib.nullcontext():
             last = model(input_ids=ids[:, :n], past_key_values=cache, logits_to_keep=1).logits[:, -1:]
-        kept = cache.get_seq_length()
-        if any(m is not None for m in _masks(model)):
-            kept = masked_kept(model, kept)
+        kept = kept_keys(model, cache)
         # the tokens' own positions, as kvpress' pipeline passes them for a question: after compression the cache
         # holds `kept` keys, and positions inferred from its length would put the continuation at `kept`
         positions = torch.arange(n, ids.shape[1] - 1, device=model.device).unsqueeze(0)

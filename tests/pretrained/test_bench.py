@@ -25,6 +25,8 @@ CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 KVPRESS_PY = Path.home() / ".cache/kvmeans/venvs/kvpress/bin/python"
 RUNNER = Path(__file__).resolve().parents[2] / "benchmarks/kvpress/run_kvpress.py"
+TINY = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, eos_token_id=257, bos_token_id=256)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,7 @@ def tok():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-                      eos_token_id=257, bos_token_id=256)
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -341,10 +340,7 @@ def test_kvpress_runner_reads_our_samples(tok, tmp_path):
     torch.manual_seed(0)
     # queries in one half-space: kvpress' attention patch masks a key by a fake key that every query misses,
     # and finds none for a random model's queries
-    cfg = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-                      eos_token_id=257, bos_token_id=256, attention_bias=True)
-    m = LlamaForCausalLM(cfg).eval()
+    m = LlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True)).eval()
     with torch.no_grad():
         for layer in m.model.layers:
             layer.self_attn.q_proj.bias.fill_(2.0)

@@ -80,6 +80,7 @@ def _first_layer_keys(model, x, start):
     tf.AttentionInterface.register("kvmeans_test_capture", capture)
     model.set_attn_implementation("kvmeans_test_capture")
     layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention") and m.layer_idx == 0)
+
     def rope(module, args, kwargs):
         got.setdefault("rope", kwargs["position_embeddings"])
 
@@ -125,6 +126,16 @@ def test_layers_without_rope_read_their_keys_as_they_are():
     assert mixed.config.kvm_conversion["rope_mode"] == "pre_rope_fixed"
 
 
+def _prefill_then_decode(model, x, prefill=37):
+    """``(logits [B, T, V], cache)`` of ``x`` read as a prefill of ``prefill`` tokens, then one token per call."""
+    out = model(x[:, :prefill], use_cache=True)
+    cache, parts = cache_from(out), [out.logits]
+    for t in range(prefill, x.shape[1]):
+        out = model(x[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
+        parts.append(out.logits)
+    return torch.cat(parts, 1), cache
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @torch.no_grad()
@@ -138,12 +149,7 @@ def test_half_precision_model_runs_in_its_dtype_close_to_fp32(family, dtype):
     one = model(x).logits
     assert one.dtype == dtype
     torch.testing.assert_close(one.float(), ref, rtol=0, atol=0.05)
-    out = model(x[:, :37], use_cache=True)
-    cache, parts = cache_from(out), [out.logits]
-    for t in range(37, 100):
-        out = model(x[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
-        parts.append(out.logits)
-    torch.testing.assert_close(torch.cat(parts, 1).float(), one.float(), rtol=0, atol=0.02)
+    torch.testing.assert_close(_prefill_then_decode(model, x)[0].float(), one.float(), rtol=0, atol=0.02)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -153,12 +159,8 @@ def test_prefill_then_token_by_token_decode_equals_one_forward(family):
     x = ids(100)
     full = model(x).logits
     assert (full - tiny(family)(x).logits).abs().max() > 1e-4          # the state is in use
-    out = model(x[:, :37], use_cache=True)
-    cache, parts = cache_from(out), [out.logits]
-    for t in range(37, 100):
-        out = model(x[:, t:t + 1], **cache_kwargs(cache), use_cache=True)
-        parts.append(out.logits)
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
+    logits, cache = _prefill_then_decode(model, x)
+    torch.testing.assert_close(logits, full, rtol=0, atol=1e-5)
     layer = cache.layers[model.config.kvm_conversion["layers"][0]]
     assert isinstance(layer, ConvertedCacheLayer) and layer.state.seen == 100 and layer.state.num_rows == 8
 
