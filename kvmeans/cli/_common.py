@@ -20,7 +20,8 @@ def add_kvm_argument(parser: argparse.ArgumentParser) -> None:
     """``--kvm SPEC``: convert a plain transformers model on the fly (:func:`kvmeans.convert_hf`)."""
     parser.add_argument("--kvm", default=None, metavar="SPEC",
                         help="convert a plain transformers model to KVM attention after loading, e.g. "
-                             "budget=fixed:128,chunk_len=32,n_bswa_chunks=4,sink_len=4 (see docs/pretrained.md)")
+                             "budget=fixed:128,chunk_len=32,n_bswa_chunks=4,sink_len=4; 'auto' calibrates (minutes), "
+                             "'auto:NAME[,keys=N]' takes a calibration split without calibrating (docs/pretrained.md)")
 
 
 def add_budget_argument(parser: argparse.ArgumentParser) -> None:

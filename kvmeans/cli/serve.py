@@ -76,7 +76,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--model", required=True, help="a converted folder (convert_hf + save_pretrained), or a plain "
                    "transformers folder with --kvm")
     p.add_argument("--kvm", default=None, help="convert a plain folder on the fly: the convert_hf spec, e.g. "
-                   "budget=128,chunk_len=32,n_bswa_chunks=4,sink_len=4 (kvmeans.parse_kvm_spec)")
+                   "budget=128,chunk_len=32,n_bswa_chunks=4,sink_len=4, auto or auto:NAME[,keys=N] "
+                   "(kvmeans.parse_kvm_spec)")
     a, rest = p.parse_known_args(argv)
     check_model_dir(a.model)
     if _is_native(a.model) and not any(r == "--max-model-len" or r.startswith("--max-model-len=") for r in rest):

@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from kvmeans.pretrained.calibrate import SPLIT_SIZES
 from kvmeans.pretrained.nll import forward_nll, token_nll
 from kvmeans.utils.args import UsageError
 from kvmeans.utils.modules import copy_sharing_weights
@@ -27,8 +28,6 @@ __all__ = ["Arm", "streaming_mask", "evict", "token_nll", "perplexity", "window_
            "kvm_settings", "kvm_arm", "SPLIT_SIZES",
            "distilled_arm"]
 
-# the settings a calibration split sets per kept keys (calibrate.split_settings); `--kvm auto:NAME,...` takes others
-SPLIT_SIZES = ("budget", "chunk_len", "n_bswa_chunks", "sink_len", "exact_rows")
 
 
 @dataclass

@@ -31,12 +31,14 @@ import torch
 from kvmeans.pretrained.nll import token_nll
 from kvmeans.utils.modules import copy_sharing_weights
 
-__all__ = ["Split", "CANDIDATES", "DEFAULT_KEYS", "TIE", "split_settings", "split_named", "calibration_windows",
-           "choose", "calibrate"]
+__all__ = ["Split", "CANDIDATES", "SPLIT_SIZES", "DEFAULT_KEYS", "TIE", "split_settings", "split_named",
+           "calibration_windows", "choose", "calibrate"]
 
 BUILT_IN = "kvmeans built-in: Shakespeare distractor plays + kvmeans' Python source frozen at df7be91, 1 window each"
 DEFAULT_KEYS = 260          # 12.7% of 2048 tokens: the documented default (budget 132 + a 128-token window)
 SINKS = 4
+# the settings a split sets per kept keys (split_settings); `--kvm auto:NAME,...` takes any others
+SPLIT_SIZES = ("budget", "chunk_len", "n_bswa_chunks", "sink_len", "exact_rows")
 TIE = 0.01                  # tail perplexities within 1% count as a tie, broken by the most exact rows
 
 

@@ -180,16 +180,46 @@ def _parse_layers(text: str) -> Union[str, list]:
 def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
     """``"budget=fixed:128,chunk_len=64,n_bswa_chunks=2,sink_len=4"`` -> the keyword arguments of
     :func:`convert_hf` (keys: ``layers`` and the :class:`KVMSpec` fields); ``"auto"`` (or ``"auto,layers=..."``):
-    the settings a calibration pass picks (``calibrate=True``). ``budget_later``: the caller sets the budget (a
-    bench, per kept keys) and checks ``exact_rows`` against it, so they are not checked here."""
+    the settings a calibration pass picks (``calibrate=True``); ``"auto:NAME"`` (e.g. ``auto:C16-w0.75-e0.75``, a
+    calibration record's ``chosen``): that split's sizes at ``keys=N`` kept keys (default 260) without calibrating,
+    with any other settings but the sizes. ``budget_later``: the caller sets the budget (a bench, per kept keys) and
+    checks ``exact_rows`` against it, so they are not checked here."""
+    from kvmeans.pretrained.calibrate import CANDIDATES, DEFAULT_KEYS, SPLIT_SIZES, split_named, split_settings
     fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
     out = {}
     items = [s.strip() for s in text.split(",")]
     if "auto" in items:
         out["calibrate"] = True
         text = ",".join(s for s in items if s != "auto")
+    named = [s for s in items if s.startswith("auto:")]
+    keys = [s for s in items if s.startswith("keys=")]
+    if named:
+        names = ", ".join(c.name for c in CANDIDATES)
+        if len(named) > 1 or "calibrate" in out:
+            raise ValueError(f"give one of auto or auto:NAME, got {', '.join(named + ['auto'] * ('calibrate' in out))}")
+        sized = [s.partition("=")[0] for s in items if s.partition("=")[0] in SPLIT_SIZES]
+        if sized:
+            raise ValueError(f"{named[0]} sets {', '.join(SPLIT_SIZES)} itself; drop {', '.join(sized)} "
+                             "(keys=N sets the kept keys)")
+        try:
+            split = split_named(named[0].partition(":")[2])
+        except StopIteration:
+            raise ValueError(f"no calibration split called {named[0].partition(':')[2]!r}; give one of {names}") \
+                from None
+        n = keys[0].partition("=")[2] if keys else str(DEFAULT_KEYS)
+        if len(keys) > 1 or not n.isdigit():
+            raise ValueError(f"keys must be one non-negative integer (the kept keys), got {', '.join(keys)}")
+        out.update(split_settings(split, int(n)))
+        text = ",".join(s for s in items if s not in named and s not in keys)
+    elif keys and "calibrate" in out:            # auto,keys=N: calibrate at N kept keys (convert_hf's keys)
+        if len(keys) > 1 or not keys[0].partition("=")[2].isdigit():
+            raise ValueError(f"keys must be one non-negative integer (the kept keys), got {', '.join(keys)}")
+        out["keys"] = int(keys[0].partition("=")[2])
+        text = ",".join(s for s in text.split(",") if s.strip() not in keys)
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, val = item.partition("=")
+        if key == "keys":
+            raise ValueError("keys=N goes with auto (calibrate at N kept keys) or auto:NAME (that split at N)")
         if not eq or (key not in fields and key != "layers"):
             raise ValueError(f"--kvm item {item!r}: expected KEY=VALUE with KEY one of layers, {', '.join(fields)}")
         if key == "layers":
@@ -209,7 +239,7 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
     later = ("budget", "exact_rows") if budget_later else ()
-    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate") + later})    # the spec's messages now
+    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys") + later})   # its messages now
     return out
 
 

@@ -16,7 +16,7 @@ from kvmeans.pretrained.calibrate import (  # noqa: E402
     choose,
     split_settings,
 )
-from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted  # noqa: E402
+from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 
 
 def tiny(seed=0):
@@ -94,6 +94,30 @@ def test_bare_convert_calibrates_records_and_reloads(tmp_path):
     x = torch.randint(0, 97, (1, 400))
     with torch.no_grad():
         torch.testing.assert_close(again(x).logits, model(x).logits)
+
+
+def test_a_named_split_in_a_spec_string_converts_at_its_sizes_without_calibrating():
+    """``--kvm auto:NAME[,keys=N]`` (every command reading a spec string): the calibration split ``NAME`` spent at
+    ``N`` kept keys (default 260), other settings kept, no calibration pass; ``auto,keys=N`` calibrates at N."""
+    from kvmeans.pretrained.calibrate import split_named
+    spec = parse_kvm_spec("auto:C16-w0.75-e0.75,exact_scope=first")
+    assert spec == {**split_settings(split_named("C16-w0.75-e0.75"), 260), "exact_scope": "first"}
+    assert parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96") == split_settings(split_named("C32-w0.50-e0.25"), 96)
+    m = convert_hf(tiny(), **parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96"))      # no tokenizer: would raise
+    conv = m.config.kvm_conversion
+    assert "calibration" not in conv
+    assert (conv["chunk_len"], conv["n_bswa_chunks"], conv["budget"]["n"], conv["exact_rows"]) == (32, 2, 32, 0)
+    ids = torch.randint(0, 97, (2, 160), generator=torch.Generator().manual_seed(3))
+    m = convert_hf(tiny(), calibration=ids, **parse_kvm_spec("auto,keys=64"))
+    assert m.config.kvm_conversion["calibration"]["keys"] == 64
+    for bad, msg in (("auto:C99-w0.10-e0.00", "no calibration split called 'C99-w0.10-e0.00'; give one of C32"),
+                     ("auto:C16-w0.75-e0.75,exact_rows=3", "sets budget, .* itself; drop exact_rows"),
+                     ("auto,auto:C16-w0.75-e0.75", "give one of auto or auto:NAME"),
+                     ("keys=64", "keys=N goes with auto"),
+                     ("auto:C16-w0.75-e0.75,keys=-1", "keys must be one non-negative integer"),
+                     ("auto:C32-w0.50-e0.00,keys=40", "keys=40 cannot hold")):
+        with pytest.raises(ValueError, match=msg):
+            parse_kvm_spec(bad)
 
 
 def test_settings_skip_calibration_and_calibrate_false_takes_defaults():

@@ -59,3 +59,20 @@ def test_serve_asks_a_native_folder_for_its_max_model_len(tmp_path):
     KVMForCausalLM(KVMConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)).save_pretrained(tmp_path)
     with pytest.raises(UsageError, match="native KVM model.*--max-model-len"):
         main(["--model", str(tmp_path)])
+
+
+def test_overrides_for_a_named_split_take_its_sizes_without_calibrating(llama_dir, monkeypatch):
+    """``kvmeans serve --kvm auto:NAME,keys=N``: the overrides carry that calibration split's sizes at N kept keys,
+    as the same settings written out do, and no calibration pass runs."""
+    import pytest
+    pytest.importorskip("transformers")
+    import kvmeans.pretrained.calibrate as calibrate
+    from kvmeans.pretrained.calibrate import split_named, split_settings
+    from kvmeans.serve.vllm_plugin import kvm_hf_overrides
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: pytest.fail("a named split must not calibrate"))
+    got = kvm_hf_overrides(llama_dir, "auto:C32-w0.50-e0.25,keys=128")["kvm_conversion"]
+    s = split_settings(split_named("C32-w0.50-e0.25"), 128)
+    written = (f"budget=fixed:{s['budget'].n},chunk_len={s['chunk_len']},n_bswa_chunks={s['n_bswa_chunks']},"
+               f"sink_len={s['sink_len']},exact_rows={s['exact_rows']}")
+    assert got == kvm_hf_overrides(llama_dir, written)["kvm_conversion"]
+    assert (got["budget"]["n"], got["chunk_len"], got["n_bswa_chunks"], got["exact_rows"]) == (64, 32, 2, 16)
