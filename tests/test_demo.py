@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tiny_settings(seeds=(0, 1)):
     s = demo.demo_settings(quick=True)
-    s.update(steps=3, multiples=(1, 2), eval_samples=4, decode_tokens=1, seeds=seeds)
+    s.update(steps=3, batch=4, multiples=(1, 2), eval_samples=4, decode_tokens=1, seeds=seeds)
     return s
 
 
@@ -28,10 +28,20 @@ def per_seed(results):
             for name, m in results["models"].items()}
 
 
-def test_demo_quick_end_to_end(tmp_path, capsys):
+def test_demo_quick_end_to_end(tmp_path, capsys, monkeypatch):
+    # `kvmeans demo --quick` as a user runs it (the CLI, its quick settings: one seed, lengths 1x-8x, every model,
+    # worker processes), with the quick settings' training and evaluation cut to a few steps and samples: what is
+    # checked here (files, table, cache bytes and state rows per length) does not depend on how well they learn.
+    asked, real_settings = [], demo.demo_settings
+
+    def quick_but_short(quick=False, task=demo.DEFAULT_TASK):
+        asked.append(quick)
+        return {**real_settings(quick, task), "steps": 3, "batch": 4, "eval_samples": 4, "decode_tokens": 1}
+    monkeypatch.setattr(demo, "demo_settings", quick_but_short)
     out = tmp_path / "demo"
     assert demo_cli.main(["--quick", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
+    assert asked == [True]
 
     assert (out / "results.json").is_file()
     assert (out / "demo.png").is_file() and (out / "demo.png").stat().st_size > 0
