@@ -1,9 +1,13 @@
 """``kvmeans bench longctx`` (kvmeans/bench/longctx.py): the command end to end on a tiny Llama (every run in its
-own process), cache bytes flat for the bounded arms and linear for full attention, failed runs reported as a
-status, peak RSS that sees an allocation, random weights from a config, and one-line usage errors."""
+own process with ``-m slow``; by default the workers run in this process, and ``--generate`` starts real ones), cache
+bytes flat for the bounded arms and linear for full attention, failed runs reported as a status, peak RSS that sees
+an allocation, random weights from a config, and one-line usage errors."""
+import contextlib
 import csv
+import io
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -41,8 +45,8 @@ def by(rows, arm, length):
     return next(r for r in rows if r["arm"] == arm and r["length"] == length)
 
 
-def test_end_to_end_three_arms(tiny_dir, tmp_path, capsys):
-    out = tmp_path / "out"
+def three_arms_end_to_end(tiny_dir, out, capsys):
+    """``kvmeans bench longctx`` with three arms at two lengths, and what its outputs must say."""
     assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--lengths", "128", "64",
                 "--arms", *ARMS, *FAST]) == 0
     printed = capsys.readouterr().out
@@ -69,6 +73,30 @@ def test_end_to_end_three_arms(tiny_dir, tmp_path, capsys):
     except ImportError:
         return
     assert (out / "longctx.png").stat().st_size > 1000
+
+
+def test_end_to_end_three_arms_in_process(tiny_dir, tmp_path, capsys, monkeypatch):
+    """The command end to end with each run's worker (:func:`longctx.worker_main`, its result line read back as
+    ``run_worker`` reads it) in this process: the six fresh interpreters (torch and transformers imported six times)
+    are ``test_end_to_end_three_arms`` under ``-m slow``; ``test_generate_mode_reads_the_prompt_with_the_same_cache``
+    runs real worker processes in the default suite."""
+    def in_process(settings, timeout):
+        threads, buf, t0 = torch.get_num_threads(), io.StringIO(), time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(buf):
+                assert longctx.worker_main(json.dumps(settings)) == 0
+        finally:
+            torch.set_num_threads(threads)                  # the worker sets its --threads
+        line = [ln for ln in buf.getvalue().splitlines() if ln.startswith(longctx.RESULT_TAG)][-1]
+        return {**json.loads(line[len(longctx.RESULT_TAG):]), "wall_s": time.perf_counter() - t0}
+    monkeypatch.setattr(longctx, "run_worker", in_process)
+    three_arms_end_to_end(tiny_dir, tmp_path / "out", capsys)
+
+
+@pytest.mark.slow
+def test_end_to_end_three_arms(tiny_dir, tmp_path, capsys):
+    """The same, every run in its own process (as the command runs them)."""
+    three_arms_end_to_end(tiny_dir, tmp_path / "out", capsys)
 
 
 def test_interleave_times_every_arm_in_one_process(tiny_dir, tmp_path, capsys):
@@ -192,7 +220,6 @@ def test_peak_anon_counts_allocations_and_not_mapped_file_pages(tmp_path):
     """``anon`` rises with a tensor the process allocates, not with the pages of a file it maps and reads (as
     memory-mapped weights are), which ``peak`` (all resident memory) does count."""
     import mmap
-    import time
     if longctx.anon_bytes() is None:
         pytest.skip("no RssAnon in /proc/self/status")
     size = 64 * 2 ** 20
