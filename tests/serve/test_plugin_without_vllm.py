@@ -14,23 +14,30 @@ def test_core_package_does_not_import_vllm():
     assert out.stdout.strip() == "[]"
 
 
-def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir):
+def test_overrides_for_the_automatic_setting_calibrate_on_the_weights(llama_dir, monkeypatch):
     """``kvmeans serve --kvm auto``: the overrides carry the split calibrated on the folder's own weights (as
     ``convert_hf(model)`` on the loaded model would store it, the model-wide ranking included); a plain spec
-    converts on the meta device, unchanged."""
+    converts on the meta device, unchanged. Both calibrations here score windows of 320 built-in tokens (the default
+    1024 takes a minute on this tiny model; the split is still chosen among every candidate on the tokens past the
+    260 kept keys)."""
+    import functools
+
     import pytest
     pytest.importorskip("transformers")
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kvmeans.pretrained import calibrate
     from kvmeans.pretrained.convert import convert_hf
     from kvmeans.serve.vllm_plugin import kvm_hf_overrides
+    monkeypatch.setattr(calibrate, "calibrate", functools.partial(calibrate.calibrate, length=320))
     got = kvm_hf_overrides(llama_dir, "auto")
     conv = got["kvm_conversion"]
     assert got["architectures"] == ["KVMeansLlamaForCausalLM"] and conv["exact_scope"] == "model"
     want = convert_hf(AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval(),
                       calibrate=True).config.kvm_conversion
     assert conv["calibration"]["chosen"] == want["calibration"]["chosen"]
+    assert conv["calibration"]["windows"] == want["calibration"]["windows"] == [2, 320]
     assert {k: v for k, v in conv.items() if k != "calibration"} == {k: v for k, v in want.items()
                                                                      if k != "calibration"}
     plain = kvm_hf_overrides(llama_dir, "budget=16,chunk_len=8,n_bswa_chunks=2,sink_len=2")["kvm_conversion"]
