@@ -140,10 +140,13 @@ def test_cli_commands_report_corrupt_weights_in_one_line(saved, tmp_path, capsys
     fails(["generate", "--prompt", "hi", "--model", str(c)], capsys, f"{cfile} is corrupt")
     p, pfile = damaged(saved / "llama", tmp_path / "llama", "empty")
     fails(["generate", "--prompt", "hi", "--model", str(p), "--kvm", SMALL], capsys, f"{pfile} is corrupt")
-    fails(["eval", "ppl", "--model", str(p), "--length", "16", "--windows", "1", "--out", str(tmp_path / "o")],
-          capsys, f"--model {p}: {pfile} is corrupt")
-    fails(["distill", "--teacher", str(p), "--kvm", SMALL, "--out", str(tmp_path / "d")], capsys,
-          f"--teacher {p}: {pfile} is corrupt")
+    # a short text file instead of the default Shakespeare, which both commands tokenize (10 s each) before they load
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40)
+    fails(["eval", "ppl", "--model", str(p), "--length", "16", "--windows", "1", "--text", str(text), "--out",
+           str(tmp_path / "o")], capsys, f"--model {p}: {pfile} is corrupt")
+    fails(["distill", "--teacher", str(p), "--kvm", SMALL, "--data", str(text), "--seq-len", "64", "--out",
+           str(tmp_path / "d")], capsys, f"--teacher {p}: {pfile} is corrupt")
 
 
 def test_first_mistakes_on_the_command_line_are_one_line_naming_the_argument(saved, tmp_path, capsys):
