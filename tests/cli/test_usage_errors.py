@@ -218,10 +218,19 @@ def test_eval_input_errors_are_one_error_line(files, no_weights, capsys):
                str(files / "nope.json")], capsys, "--haystack-file", "no such file")
 
 
-def test_lm_eval_unknown_task(no_weights, capsys):
-    """lm-eval raised its unknown-task ValueError as a traceback."""
+def test_lm_eval_unknown_task(no_weights, capsys, monkeypatch):
+    """lm-eval raised its unknown-task ValueError as a traceback. lm-eval's own task index is built here from the
+    toy tasks only (indexing its built-in ones takes 16 s; test_python_m_harness_subprocess, -m slow, builds it)."""
     pytest.importorskip("lm_eval")
     pytest.importorskip("accelerate")
+    import lm_eval.tasks
+
+    class ToyTasksOnly(lm_eval.tasks.TaskManager):
+        def __init__(self, *a, **kw):
+            kw["include_defaults"] = False
+            kw["include_path"] = kw.get("include_path") or str(REPO / "tests" / "data" / "lmeval_toy")
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", ToyTasksOnly)          # what lm-eval's CLI imports
     fails(["eval", "lm-eval", "--model", str(no_weights), "--tasks", "no_such_task_xyz"], capsys,
           "--tasks: Tasks not found: no_such_task_xyz")
 
