@@ -14,11 +14,15 @@ GLIBC = heap._libc() is not None
 # Is a 4 MiB block allocated after a 4 MiB block was freed mmapped? glibc marks a chunk it mmapped with bit 0x2
 # of the size word just before the pointer. By default the free raises the threshold, so the second block comes
 # from the heap; with the threshold fixed it is mmapped again (and the OS gets it back on free).
+# The probe loads heap.py alone by its path (it imports the standard library only): a fresh interpreter that does not
+# import torch starts in a fraction of the time, and mallopt sets the process's threshold whatever it has imported.
 PROBE = textwrap.dedent("""
-    import ctypes, sys
-    from kvmeans.utils.heap import bound_heap
+    import ctypes, importlib.util, sys
+    spec = importlib.util.spec_from_file_location("kvmeans_heap", sys.argv[2])
+    heap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(heap)
     if sys.argv[1] == "bound":
-        print(bound_heap())
+        print(heap.bound_heap())
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
@@ -31,7 +35,7 @@ PROBE = textwrap.dedent("""
 def probe(mode, **env):
     import os
     run_env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", heap.ENV)}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, heap.__file__], capture_output=True, text=True, check=True,
                          env={**run_env, **env})
     return out.stdout.splitlines()
 
