@@ -301,7 +301,17 @@ def test_merge_kvpress_rescores_and_refuses_other_samples(tok):
         bp.merge_kvpress({"rows": [], "samples": bad}, s, tok)
 
 
-def test_command_writes_samples_table_and_merges(model_dir, tmp_path, capsys):
+def test_command_writes_samples_table_and_merges(model_dir, tmp_path, capsys, monkeypatch):
+    # the runs below ask for the same ppl windows; the first call tokenizes all the plays (7 s), the others reuse it
+    from kvmeans.pretrained import ppl
+    real_windows, memo = ppl.text_windows, {}
+
+    def text_windows(tok, *args):
+        key = (tok.name_or_path, *args)
+        if key not in memo:
+            memo[key] = real_windows(tok, *args)
+        return memo[key]
+    monkeypatch.setattr(ppl, "text_windows", text_windows)
     out = tmp_path / "run"
     common = ["--model", str(model_dir), "--out", str(out), "--benches", "niah", "ppl", "--niah-samples", "2",
               "--niah-length", "400", "--ppl-lengths", "300", "--ppl-keys", "80", "--max-new-tokens", "2",

@@ -13,6 +13,20 @@ from kvmeans.utils.args import UsageError  # noqa: E402
 KVM = "chunk_len=8,n_bswa_chunks=2,sink_len=2,exact_rows=4"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def plays_tokenized_once():
+    """The runs of this module share one cache of the corpus' token ids (the GPT-2 tokenizer over all the plays
+    takes 10 s; ``run_protocol`` keeps them between lengths with the same cache, per model)."""
+    from kvmeans.pretrained import quality
+    real, shared = quality.cell_windows, {}
+
+    def cell_windows(tokenizer, corpus, length, n, seed=0, cache=None):
+        return real(tokenizer, corpus, length, n, seed, cache=shared.setdefault(tokenizer.name_or_path, {}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quality, "cell_windows", cell_windows)
+        yield
+
+
 def distilled_folder(llama_dir, path):
     """A learned (distilled-form) conversion of the tiny Llama, its read-out moved off the training-free init:
     window 16, 16 state rows of which 4 exact (32 keys)."""
