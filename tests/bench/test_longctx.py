@@ -75,21 +75,23 @@ def three_arms_end_to_end(tiny_dir, out, capsys):
     assert (out / "longctx.png").stat().st_size > 1000
 
 
+def worker_in_process(settings, timeout):
+    """``run_worker`` without the fresh interpreter: :func:`longctx.worker_main` here, its result line read back."""
+    threads, buf, t0 = torch.get_num_threads(), io.StringIO(), time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(buf):
+            assert longctx.worker_main(json.dumps(settings)) == 0
+    finally:
+        torch.set_num_threads(threads)                  # the worker sets its --threads
+    line = [ln for ln in buf.getvalue().splitlines() if ln.startswith(longctx.RESULT_TAG)][-1]
+    return {**json.loads(line[len(longctx.RESULT_TAG):]), "wall_s": time.perf_counter() - t0}
+
+
 def test_end_to_end_three_arms_in_process(tiny_dir, tmp_path, capsys, monkeypatch):
-    """The command end to end with each run's worker (:func:`longctx.worker_main`, its result line read back as
-    ``run_worker`` reads it) in this process: the six fresh interpreters (torch and transformers imported six times)
-    are ``test_end_to_end_three_arms`` under ``-m slow``; ``test_generate_mode_reads_the_prompt_with_the_same_cache``
-    runs real worker processes in the default suite."""
-    def in_process(settings, timeout):
-        threads, buf, t0 = torch.get_num_threads(), io.StringIO(), time.perf_counter()
-        try:
-            with contextlib.redirect_stdout(buf):
-                assert longctx.worker_main(json.dumps(settings)) == 0
-        finally:
-            torch.set_num_threads(threads)                  # the worker sets its --threads
-        line = [ln for ln in buf.getvalue().splitlines() if ln.startswith(longctx.RESULT_TAG)][-1]
-        return {**json.loads(line[len(longctx.RESULT_TAG):]), "wall_s": time.perf_counter() - t0}
-    monkeypatch.setattr(longctx, "run_worker", in_process)
+    """The command end to end with each run's worker in this process: the six fresh interpreters (torch and
+    transformers imported six times) are ``test_end_to_end_three_arms`` under ``-m slow``;
+    ``test_generate_mode_reads_the_prompt_with_the_same_cache`` starts a real worker process in the default suite."""
+    monkeypatch.setattr(longctx, "run_worker", worker_in_process)
     three_arms_end_to_end(tiny_dir, tmp_path / "out", capsys)
 
 
@@ -117,8 +119,17 @@ def test_interleave_times_every_arm_in_one_process(tiny_dir, tmp_path, capsys):
         assert len(list(csv.DictReader(f))) == 6
 
 
-def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path):
-    """--generate: model.generate with nothing set; a KVM prompt past the segment keeps the bounded cache."""
+def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path, monkeypatch):
+    """--generate: model.generate with nothing set; a KVM prompt past the segment keeps the bounded cache. The KVM
+    run's worker is a fresh process, as the command starts it; full attention's runs in this one."""
+    real_worker, spawned = longctx.run_worker, []
+
+    def kvm_in_a_process(settings, timeout):
+        if settings["arm"]["kind"] != "kvm":
+            return worker_in_process(settings, timeout)
+        spawned.append(settings["arm"]["label"])
+        return real_worker(settings, timeout)
+    monkeypatch.setattr(longctx, "run_worker", kvm_in_a_process)
     out = tmp_path / "gen"
     assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--lengths", "96", "--generate",
                 "--arms", "full", KVM, *FAST]) == 0
@@ -129,6 +140,7 @@ def test_generate_mode_reads_the_prompt_with_the_same_cache(tiny_dir, tmp_path):
     assert len(runs["full"]["decode_step_s"]) == 3 and runs["full"]["ttft_s"] > 0
     if Path("/proc/self/status").exists():          # anonymous memory's peak, as in the forward mode
         assert all(r["peak_anon_above_model_bytes"] is not None and r["anon_loaded_bytes"] > 0 for r in runs.values())
+    assert spawned == [KVM]
     assert cli(["bench", "longctx", "--model", str(tiny_dir), "--out", str(out), "--generate", "--batch", "2"]) == 2
 
 
