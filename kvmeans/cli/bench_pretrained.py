@@ -120,8 +120,8 @@ def _named_split(text: str):
         raise UsageError(f"--kvm {text}: give auto, or auto:NAME with NAME one of {names}")
     try:
         return {"split": split_named(name), **extra}
-    except StopIteration:
-        raise UsageError(f"--kvm {text}: no calibration split called {name!r}; give one of {names}") from None
+    except ValueError as err:
+        raise UsageError(f"--kvm {text}: {err}") from None
 
 
 def _calibrated_split(model, tok, base: dict):

@@ -193,6 +193,10 @@ def choose(scored: Sequence[Dict], keys: int, candidates: Sequence[Split] = CAND
 
 
 def split_named(name: str, candidates: Sequence[Split] = CANDIDATES) -> Split:
-    """The split of ``candidates`` called ``name`` (a calibration record's ``chosen``)."""
-    return next(c for c in candidates if c.name == name)
+    """The split of ``candidates`` called ``name`` (a calibration record's ``chosen``); ``ValueError`` naming the
+    candidates when there is none."""
+    found = [c for c in candidates if c.name == name]
+    if not found:
+        raise ValueError(f"no calibration split called {name!r}; give one of {', '.join(c.name for c in candidates)}")
+    return found[0]
 

@@ -184,42 +184,32 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
     calibration record's ``chosen``): that split's sizes at ``keys=N`` kept keys (default 260) without calibrating,
     with any other settings but the sizes. ``budget_later``: the caller sets the budget (a bench, per kept keys) and
     checks ``exact_rows`` against it, so they are not checked here."""
-    from kvmeans.pretrained.calibrate import CANDIDATES, DEFAULT_KEYS, SPLIT_SIZES, split_named, split_settings
+    from kvmeans.pretrained.calibrate import DEFAULT_KEYS, SPLIT_SIZES, split_named, split_settings
     fields = {f.name: f.type for f in dataclasses.fields(KVMSpec)}
     out = {}
     items = [s.strip() for s in text.split(",")]
-    if "auto" in items:
-        out["calibrate"] = True
-        text = ",".join(s for s in items if s != "auto")
     named = [s for s in items if s.startswith("auto:")]
     keys = [s for s in items if s.startswith("keys=")]
+    if "auto" in items:
+        out["calibrate"] = True
+    if len(named) + ("calibrate" in out) > 1:
+        raise ValueError(f"give one of auto or auto:NAME, got {', '.join(named + ['auto'] * ('calibrate' in out))}")
+    if keys and not (named or "calibrate" in out):
+        raise ValueError("keys=N goes with auto (calibrate at N kept keys) or auto:NAME (that split at N)")
+    if len(keys) > 1 or (keys and not keys[0].partition("=")[2].isdigit()):
+        raise ValueError(f"keys must be one non-negative integer (the kept keys), got {', '.join(keys)}")
+    n = int(keys[0].partition("=")[2]) if keys else None
     if named:
-        names = ", ".join(c.name for c in CANDIDATES)
-        if len(named) > 1 or "calibrate" in out:
-            raise ValueError(f"give one of auto or auto:NAME, got {', '.join(named + ['auto'] * ('calibrate' in out))}")
         sized = [s.partition("=")[0] for s in items if s.partition("=")[0] in SPLIT_SIZES]
         if sized:
             raise ValueError(f"{named[0]} sets {', '.join(SPLIT_SIZES)} itself; drop {', '.join(sized)} "
                              "(keys=N sets the kept keys)")
-        try:
-            split = split_named(named[0].partition(":")[2])
-        except StopIteration:
-            raise ValueError(f"no calibration split called {named[0].partition(':')[2]!r}; give one of {names}") \
-                from None
-        n = keys[0].partition("=")[2] if keys else str(DEFAULT_KEYS)
-        if len(keys) > 1 or not n.isdigit():
-            raise ValueError(f"keys must be one non-negative integer (the kept keys), got {', '.join(keys)}")
-        out.update(split_settings(split, int(n)))
-        text = ",".join(s for s in items if s not in named and s not in keys)
-    elif keys and "calibrate" in out:            # auto,keys=N: calibrate at N kept keys (convert_hf's keys)
-        if len(keys) > 1 or not keys[0].partition("=")[2].isdigit():
-            raise ValueError(f"keys must be one non-negative integer (the kept keys), got {', '.join(keys)}")
-        out["keys"] = int(keys[0].partition("=")[2])
-        text = ",".join(s for s in text.split(",") if s.strip() not in keys)
+        out.update(split_settings(split_named(named[0].partition(":")[2]), DEFAULT_KEYS if n is None else n))
+    elif n is not None:                     # auto,keys=N: calibrate at N kept keys (convert_hf's keys)
+        out["keys"] = n
+    text = ",".join(s for s in items if s != "auto" and s not in named and s not in keys)
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, val = item.partition("=")
-        if key == "keys":
-            raise ValueError("keys=N goes with auto (calibrate at N kept keys) or auto:NAME (that split at N)")
         if not eq or (key not in fields and key != "layers"):
             raise ValueError(f"--kvm item {item!r}: expected KEY=VALUE with KEY one of layers, {', '.join(fields)}")
         if key == "layers":
