@@ -104,6 +104,9 @@ def _named_split(text: str):
     from kvmeans.pretrained.calibrate import CANDIDATES, split_named
     from kvmeans.pretrained.convert import parse_kvm_spec
     head, _, rest = text.partition(",")
+    if any(item.strip().startswith("keys=") for item in rest.split(",")):
+        raise UsageError(f"--kvm {text}: keys=N does not apply to a benchmark, which spends the split at each "
+                         "setting's kept keys; drop keys=N (give auto or auto:NAME)")
     try:
         extra = parse_kvm_spec(rest) if rest else {}
     except ValueError as err:

@@ -229,7 +229,9 @@ def test_kvm_auto_spends_a_calibration_split_at_each_kept_keys_without_shrinking
                      ("auto,chunk_len=8", "--kvm auto,chunk_len=8: 'auto' sets budget"),
                      ("auto:C16-w0.75-e0.75,exact_scope=all", "exact_scope must be one of"),
                      ("auto:,exact_join=1", "give auto, or auto:NAME with NAME one of C32"),
-                     ("auto,auto", "'auto' sets budget")):
+                     ("auto,auto", "'auto' sets budget"),
+                     ("auto,keys=300", "keys=N does not apply to a benchmark"),
+                     ("auto:C16-w0.75-e0.75,keys=300", "keys=N does not apply to a benchmark")):
         with pytest.raises(UsageError, match=msg):
             bp_cli.main(common + ["--out", str(tmp_path / "bad"), "--kvm", bad])
 
