@@ -76,7 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="most tokens an answer may have, for samples "
                    "without a budget of their own (RULER's tasks have theirs); default 24")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="draws the NIAH samples, RULER's samples (RULER's seed 42 + this) and the perplexity windows; "
+                        "another seed gives another sample set, e.g. a tuning split beside the default one")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-progress", action="store_true")
     return p

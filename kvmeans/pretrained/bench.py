@@ -301,14 +301,16 @@ def merge_kvpress(results: Dict[str, Any], samples: Sequence[Dict[str, Any]], to
 
 
 def all_samples(tokenizer, a) -> List[Dict[str, Any]]:
-    """Every recall sample of the selected benches (``niah`` then ``ruler``), deterministic in the options."""
+    """Every recall sample of the selected benches (``niah`` then ``ruler``), deterministic in the options
+    (``a.seed`` draws other samples of every bench; RULER's are seeded ``ruler.DEFAULT_SEED + a.seed``, so seed 0
+    gives RULER's own)."""
     out = []
     if "niah" in a.benches:
         out += niah_samples(tokenizer, a.niah_samples, a.niah_length, seed=a.seed)
     if "ruler" in a.benches:
         for task in a.ruler_tasks:
             for length in a.ruler_lengths:
-                out += ruler_samples(tokenizer, task, length, a.ruler_samples)
+                out += ruler_samples(tokenizer, task, length, a.ruler_samples, seed=ruler.DEFAULT_SEED + a.seed)
     return out
 
 

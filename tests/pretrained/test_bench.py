@@ -100,6 +100,22 @@ def test_chat_split_is_kvpress_split(tok):
     assert all(x["question"].startswith("\nWhat is the special magic number") for x in r)
 
 
+def test_seed_draws_another_ruler_sample_set_and_seed_0_is_rulers_own(tok):
+    """``--seed`` reaches RULER's samples (a tuning split beside the default set); seed 0 is RULER's seed 42, so
+    the sample sets of earlier runs are unchanged."""
+    from types import SimpleNamespace
+    a = SimpleNamespace(benches=["ruler"], ruler_tasks=["niah_single_1", "niah_multikey_2"], ruler_lengths=[600],
+                        ruler_samples=2)
+    default = bp.all_samples(tok, SimpleNamespace(**vars(a), seed=0))
+    assert [x["context"] for x in default] == [x["context"] for t in a.ruler_tasks
+                                               for x in bp.ruler_samples(tok, t, 600, 2)]
+    other = bp.all_samples(tok, SimpleNamespace(**vars(a), seed=1))
+    assert [x["id"] for x in other] == [x["id"] for x in default]
+    assert all(o["context"] != d["context"] for o, d in zip(other, default))
+    assert [x["context"] for x in bp.all_samples(tok, SimpleNamespace(**vars(a), seed=1))] == \
+        [x["context"] for x in other]
+
+
 def _greedy_reference(model, ids, n, mask_fn=None):
     """Greedy continuation recomputed from scratch each step (no cache), under ``mask_fn(T)`` if given."""
     ids = list(ids)
