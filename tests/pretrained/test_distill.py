@@ -159,12 +159,18 @@ def _fit(loss_fn, student, steps=20, lr=3e-2):
     return losses
 
 
+def _assert_descends(losses):
+    """Down by a fifth and still reaching new lows over the last 5 steps. Not "the last step is the lowest":
+    near its floor (stage 2's KL is ~4e-6) Adam's last step can go up by 0.1%, with one thread and not two."""
+    assert losses[0] > 0 and losses[-1] < 0.8 * losses[0] and min(losses[-5:]) < min(losses[:-5]), losses
+
+
 def test_stage1_lowers_the_attention_alignment_loss():
     teacher = sharp()
     student = convert_hf(copy.deepcopy(teacher), learned=True, **SMALL)
     x = ids(96, B=2)
     losses = _fit(lambda: alignment_loss(teacher, student, x, backward_scale=1.0), student)
-    assert losses[0] > 0 and losses[-1] < 0.8 * losses[0] and losses[-1] < min(losses[:-1])
+    _assert_descends(losses)
     # only the KVM read-out trained; the teacher's own weights are untouched
     original = dict(teacher.named_parameters())
     for n, p in student.named_parameters():
@@ -180,7 +186,7 @@ def test_stage2_lowers_the_logit_kl():
         loss.backward()
         return loss.item()
     losses = _fit(step, student)
-    assert losses[0] > 0 and losses[-1] < 0.8 * losses[0] and losses[-1] < min(losses[:-1])
+    _assert_descends(losses)
 
 
 def test_qkvo_flag_trains_the_converted_layers_attention_weights():
