@@ -50,7 +50,8 @@ def kvm_attention_forward(module, query, key, value, attention_mask, dropout: fl
     out = state.attend(                 # each row by its real tokens (mask: kvmeans.pretrained.convert._set_inputs)
         converted_kvm_attention, module.__dict__.get("_kvm_mask"), query, key, value,
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap, **spec.op_kwargs(),
-        layer_novelty=_layer_novelty(module), **rope, **learned_readout(module, hidden_states))
+        exact_caps=module.__dict__.get("kvm_exact_caps"), layer_novelty=_layer_novelty(module), **rope,
+        **learned_readout(module, hidden_states))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -112,6 +113,7 @@ def convert_attention_layer(module: torch.nn.Module, spec, rope_at: Optional[Cal
     module.kvm_rope_at = rope_at
     module.kvm_board, module.kvm_layer_pos = board, layer_pos
     module.kvm_compact_mask = False     # convert_hf sets it when every full-attention layer is converted
+    module.kvm_exact_caps = None        # and these, the reserve's slots per kv head (KVMSpec.exact_heads)
     module._kvm_signature = inspect.signature(module.forward)
     if spec.learned:
         add_learned_parameters(module)

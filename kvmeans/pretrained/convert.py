@@ -13,7 +13,7 @@ import inspect
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -68,6 +68,10 @@ class KVMSpec:
     ranking ignores it); ``exact_join``: with novelty ranking, a block's leading run that continues a run the
     slots hold from the block before is scored as inside that block, so a novel run cut by a block boundary keeps
     its second part (``kvmeans.pretrained.op``; False: what folders saved before it reload with);
+    ``exact_heads``: per-head budgets of the reserve, one weight per converted layer and kv head (``convert_hf``
+    measures them when given ``"copy"``: each head's copy score on built-in text, ``kvmeans.pretrained.heads``);
+    the ``exact_rows x kv heads`` slots are shared out by them (``heads.head_caps``), ``exact_rows`` staying the
+    mean (None: ``exact_rows`` in every head);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -88,6 +92,7 @@ class KVMSpec:
     exact_rank: str = "novelty"
     exact_lead: int = 1
     exact_join: bool = False
+    exact_heads: Optional[Tuple[Tuple[float, ...], ...]] = None
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
@@ -118,6 +123,17 @@ class KVMSpec:
             raise ValueError(f"exact_rank must be one of {EXACT_RANKS} (what the reserve ranks a token by: its "
                              f"novelty, or the attention it received in the window), got {self.exact_rank!r}")
         check_exact_lead(self.exact_lead, self.chunk_len, self.n_bswa_chunks)
+        if self.exact_heads is not None:
+            if isinstance(self.exact_heads, str):
+                raise ValueError(f"exact_heads={self.exact_heads!r}: convert_hf measures the weights (give it "
+                                 "exact_heads='copy'); a KVMSpec holds them, one list per converted layer")
+            rows = tuple(tuple(float(w) for w in r) for r in self.exact_heads)
+            if not rows or len({len(r) for r in rows}) != 1 or any(w < 0 or w != w for r in rows for w in r):
+                raise ValueError("exact_heads must hold one list of non-negative weights per converted layer, as "
+                                 "many in each (its kv heads)")
+            if not self.exact_rows:
+                raise ValueError("exact_heads shares out the reserve's slots: it needs exact_rows > 0")
+            object.__setattr__(self, "exact_heads", rows)      # lists (JSON) -> tuples: a frozen, hashable spec
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, the first layer's, or each layer's own), got "
@@ -218,6 +234,12 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
             out[key] = _parse_budget(val)
         elif key in ("rope_mode", "exact_scope", "exact_rank"):
             out[key] = val
+        elif key == "exact_heads":
+            if val not in ("copy", "uniform"):
+                raise ValueError(f"exact_heads must be copy (per-head budgets from each head's copy score) or "
+                                 f"uniform (the same in every head), got {val!r}")
+            if val == "copy":
+                out[key] = val
         elif key in ("log_count_bias", "learned", "exact_join"):
             if val not in ("true", "false", "1", "0"):
                 raise ValueError(f"{key} must be true or false, got {val!r}")
@@ -229,7 +251,9 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
     later = ("budget", "exact_rows") if budget_later else ()
-    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys") + later})   # its messages now
+    KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys", "exact_heads") + later})
+    if out.get("exact_heads") and not budget_later and not out.get("calibrate") and not out.get("exact_rows"):
+        raise ValueError("exact_heads shares out the reserve's slots: it needs exact_rows > 0")
     return out
 
 
@@ -433,6 +457,12 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     record = None
+    if settings.get("exact_heads") == "copy":    # measured on the model as it is, before any conversion
+        from kvmeans.pretrained.heads import copy_scores
+        if any(getattr(m, "kvm_spec", None) is not None for m in model.modules()):
+            raise ValueError("exact_heads='copy' measures the original model's heads; convert the original model")
+        scores = copy_scores(model, tokenizer)
+        settings["exact_heads"] = tuple(tuple(scores[i]) for i in chosen)
     if calibrates({**settings, "calibrate": calibrate}):      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
@@ -454,6 +484,14 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         # stored resolved, so a saved model reloads at the distance it was converted (or distilled) with
         spec = dataclasses.replace(spec, rope_distance=spec.distance)
     _check_rope_read(cfg, spec.rope_mode)
+    caps = None
+    if spec.exact_heads is not None:
+        from kvmeans.pretrained.heads import head_caps
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if len(spec.exact_heads) != len(chosen) or len(spec.exact_heads[0]) != kv_heads:
+            raise ValueError(f"exact_heads holds {len(spec.exact_heads)} layers x {len(spec.exact_heads[0])} heads; "
+                             f"this conversion has {len(chosen)} layers x {kv_heads} kv heads")
+        caps = head_caps(torch.tensor(spec.exact_heads, dtype=torch.float64), spec.exact_rows)
     # exact_scope "model" / "first": one board per model
     board = NoveltyBoard(len(chosen), spec.exact_scope) if chosen and spec.exact_scope in BOARD_SCOPES else None
     for pos, i in enumerate(chosen):
@@ -461,6 +499,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
             convert_attention_layer(attn[i], dataclasses.replace(spec, rope_mode="none"), None, board, pos)
         else:
             convert_attention_layer(attn[i], spec, _RopeAt(model, attn[i]) if has_rope else None, board, pos)
+        attn[i].kvm_exact_caps = None if caps is None else caps[pos]
     model.__dict__.pop("_kvm_modules", None)
     compact = all(i in chosen for i in attn if is_global[i])     # no plain full-attention layer reads the mask
     for i in chosen:

@@ -84,7 +84,8 @@ class ConvertedKVMState:
     (the first ``sink_len`` rows are sinks, never merged into);
     ``reserve_*`` the exact rows (``exact_rows``, ``kvmeans.pretrained.reserve``; None without them):
     ``reserve_key``/``reserve_value`` ``[B, Hkv, R, D]`` one token's (gated) key and value, ``reserve_count``
-    ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty),
+    ``[B, Hkv, R]`` its weight (0: empty), ``reserve_score`` ``[B, Hkv, R]`` its novelty on arrival (-inf: empty;
+    +inf: dead, a slot past its kv head's cap with ``exact_caps``, never filled),
     ``reserve_pos`` ``[B, Hkv, R]`` its index in the sequence (a float of the sums' dtype; -inf: empty).
     """
 
@@ -191,7 +192,7 @@ def _slot_read(st: ConvertedKVMState) -> Tuple[Tensor, Tensor, Tensor, Optional[
     """What routing reads of the reserve and what changes only with it (most blocks leave it as it is, so
     :func:`_advance` keeps this until ``st.reserve_key`` is replaced): ``(reserve_key, unit keys, weakest score
     [B, Hkv], filled)``, ``filled`` whether every slot holds a token (CPU; None on a GPU: no host sync)."""
-    filled = None if st.reserve_score.device.type != "cpu" else not bool(st.reserve_score.isneginf().any())
+    filled = None if st.reserve_score.device.type != "cpu" else not bool(st.reserve_score.isinf().any())
     return st.reserve_key, _unit(st.reserve_key), st.reserve_score.amin(-1), filled
 
 
@@ -236,7 +237,8 @@ def _unit_keys(st: ConvertedKVMState, lo: int, hi: int, acc: torch.dtype, rope: 
 def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], chunk_len: int,
              n_bswa_chunks: int, sink_len: int, novel_rows: int = 0, exact_rows: int = 0,
              layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None, rope: Optional[RopeFn] = None,
-             exact_rank: str = "novelty", exact_lead: int = 0, exact_join: bool = False) -> None:
+             exact_rank: str = "novelty", exact_lead: int = 0, exact_join: bool = False,
+             exact_caps: Optional[Tensor] = None) -> None:
     """Bring the state up to ``bswa_begin(total)``: copy the first chunk, then route each block that left
     the window (``schedule.desired_rows``: appends on the budget, the rest merged by cosine argmax; with
     ``novel_rows`` a block appending fewer first frees rows, ``kvmeans.pretrained.routing``; with
@@ -245,7 +247,9 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     agreed across layers, ``kvmeans.pretrained.board``; ``exact_rank="attention"`` ranks by the attention the
     token received while in the window, ``buf_att``, instead of by its novelty; ``exact_lead``: a token's novelty
     is the most of its own and the next ``exact_lead`` tokens', which are still in the window; ``exact_join``: a
-    block's leading run that continues a run the slots hold is scored as within the block before). The merged tokens
+    block's leading run that continues a run the slots hold is scored as within the block before; ``exact_caps``
+    ``[Hkv]``: the slots of each kv head, the reserve as many as the largest, a head's slots past its cap dead). The
+    merged tokens
     stay in the buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
@@ -263,14 +267,21 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             st.key_sum, st.value_sum, st.count = st.key_sum * g, st.value_sum * g, g.squeeze(-1)
         if exact_rows:
             B, H, _, D = st.key_sum.shape
-            st.reserve_key, st.reserve_value = (t.new_zeros(B, H, exact_rows, t.shape[-1])
+            n_slots = exact_rows if exact_caps is None else int(exact_caps.max())
+            st.reserve_key, st.reserve_value = (t.new_zeros(B, H, n_slots, t.shape[-1])
                                                 for t in (st.key_sum, st.value_sum))
-            st.reserve_count = st.count.new_zeros(B, H, exact_rows)
-            st.reserve_score = st.count.new_full((B, H, exact_rows), float("-inf"))
+            st.reserve_count = st.count.new_zeros(B, H, n_slots)
+            st.reserve_score = st.count.new_full((B, H, n_slots), float("-inf"))
             st.reserve_pos = st.reserve_score.clone()
+            if exact_caps is not None:  # dead slots score +inf: always kept, never read (count 0), hidden from novelty
+                dead = torch.arange(n_slots, device=st.count.device) >= exact_caps.to(st.count.device)[:, None]
+                st.reserve_score = st.reserve_score.masked_fill(dead, float("inf"))
         st.covered = chunk_len
     pool_budget = (lambda n: max(0, budget(n) - exact_rows)) if exact_rows else budget
     ones, slots = None, None
+    # the slots that fill first, by position: the fewest any kv head has (a head with more passes its empty slots on
+    # to the pool while it fills: weight 0, they add nothing)
+    fill = exact_rows if exact_caps is None else int(exact_caps.min())
     for start in range(max(st.covered, chunk_len), target, chunk_len):   # schedule.plan_updates, one step at a time
         rows = st.count.shape[-1]
         n_new = min(desired_rows(pool_budget, start, rows, chunk_len, n_bswa_chunks) - rows, chunk_len)
@@ -286,7 +297,7 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
             bk, bv = bk * gate[..., lo:lo + chunk_len, :], bv * gate[..., lo:lo + chunk_len, :]
         pool_hat = _unit(st.key_sum)    # the pool as it stands: scored against and routed into
         if exact_rows:                  # empty slots fill first: R less the tokens past the first chunk, by position
-            n_out = max(0, chunk_len - max(0, exact_rows - (start - chunk_len)))
+            n_out = max(0, chunk_len - max(0, fill - (start - chunk_len)))
             if slots is None or slots[0] is not st.reserve_key:
                 slots = _slot_read(st)
             _, slot_hat, weakest, filled = slots
@@ -358,6 +369,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
                             positions: Optional[Tensor] = None, softcap: Optional[float] = None,
                             log_count_bias: bool = True, novel_rows: int = 0, exact_rows: int = 0,
                             exact_rank: str = "novelty", exact_lead: int = 0, exact_join: bool = False,
+                            exact_caps: Optional[Tensor] = None,
                             layer_novelty: Optional[Callable[[int, Tensor], Tensor]] = None,
                             merge_gate: Optional[Tensor] = None,
                             state_key_weight: Optional[Tensor] = None, state_key_bias: Optional[Tensor] = None,
@@ -384,7 +396,9 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     novelty ranking, when the slots hold the last token of the block before, the block's leading run of tokens
     that score higher without the slots that block filled is scored so (``state.reserve_pos``), as it would be
     inside one block: a novel run cut by a block boundary keeps its second part, which otherwise meets the first
-    part in the slots and looks known; the other tokens keep their scores.
+    part in the slots and looks known; the other tokens keep their scores. ``exact_caps`` ``[Hkv]`` (long): the slots
+    each kv head fills (``kvmeans.pretrained.heads``: per-head budgets; ``exact_rows`` stays the mean, which the
+    pool's budget leaves out), the reserve holding as many as the largest cap.
 
     Learned read-out (distillation; each None = the training-free read): ``merge_gate [B, Hkv, T]`` the
     weight each token adds to its row's key/value sums and count; ``state_key_weight``/``state_key_bias``
@@ -398,6 +412,9 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     if exact_rank not in EXACT_RANKS:
         raise ValueError(f"exact_rank must be one of {EXACT_RANKS}, got {exact_rank!r}")
     check_exact_lead(exact_lead, chunk_len, n_bswa_chunks)
+    if exact_caps is not None and (not exact_rows or exact_caps.shape != (k.shape[1],) or bool((exact_caps < 0).any())):
+        raise ValueError(f"exact_caps must be [Hkv={k.shape[1]}] non-negative slot counts and needs exact_rows > 0, "
+                         f"got shape {tuple(exact_caps.shape)} with exact_rows={exact_rows}")
     pre_rope = rope_mode in ("pre_rope_fixed", "split")
     if pre_rope and rope is None:
         raise ValueError(f"rope_mode={rope_mode!r} needs rope= (positions -> the model's cos, sin): the keys of a "
@@ -425,7 +442,7 @@ def converted_kvm_attention(q: Tensor, k: Tensor, v: Tensor, state: ConvertedKVM
     routing = dict(novel_rows=novel_rows, exact_rows=exact_rows, layer_novelty=layer_novelty,
                    rope=rope if pre_rope else None, exact_rank=exact_rank,
                    exact_lead=exact_lead if exact_rank == "novelty" else 0,
-                   exact_join=bool(exact_join) and exact_rank == "novelty")
+                   exact_join=bool(exact_join) and exact_rank == "novelty", exact_caps=exact_caps)
     c0, c1 = start // C, -(-(start + T) // C)
     read = dict(scaling=scaling, softcap=softcap, log_count_bias=log_count_bias, state_key_weight=state_key_weight,
                 state_key_bias=state_key_bias, state_temp=state_temp, window_temp=window_temp,

@@ -29,13 +29,13 @@ def block_scores(sel: Tensor, pool_key_sum: Tensor, slot_key: Tensor, slot_score
     the pool rows ``[B, Hkv, m, D]`` and the filled slots ``[B, Hkv, R, D]``, averaged over the kv heads.
     ``pool_hat`` / ``slot_hat``: those rows normalised already (the caller's, reused for routing); ``filled``:
     whether every slot holds a token, when the caller knows (None: checked here; a slot whose score is -inf is
-    empty, so a caller hides slots by passing their scores as -inf)."""
+    empty and one at +inf dead, both hidden, so a caller hides slots by passing their scores as -inf)."""
     pool_hat = F.normalize(pool_key_sum, dim=-1) if pool_hat is None else pool_hat
     slot_hat = F.normalize(slot_key, dim=-1) if slot_hat is None else slot_hat
     rows = torch.cat((pool_hat, slot_hat), -2)          # normalising is row-wise: as normalising the join
     sim = sel @ rows.transpose(-1, -2)
     if not filled:
-        empty = slot_score.isneginf()
+        empty = slot_score.isinf()     # -inf: empty; +inf: dead (past the kv head's cap, exact_caps)
         # slots fill first: once all are full nothing is masked (a CPU check; on a GPU the mask costs less than a sync)
         if empty.device.type != "cpu" or bool(empty.any()):
             sim = sim.masked_fill(F.pad(empty, (pool_hat.shape[-2], 0)).unsqueeze(-2), float("-inf"))

@@ -72,6 +72,9 @@ def _refusals(vllm_config) -> None:
         raise ValueError(f"{where}: exact_rank={spec.exact_rank!r} (the reserve ranks tokens by the attention they "
                          "received in the window) is not served yet (the state slots hold no per-token scores); "
                          "convert with exact_rank=novelty or exact_rows=0")
+    if spec.exact_heads is not None:
+        raise ValueError(f"{where}: exact_heads (per-head reserve budgets) is not served yet (the state slots hold as "
+                         "many slots in every kv head); convert without exact_heads")
     if spec.rope_mode not in ("pre_rope_fixed", "post_rope", "split"):
         raise ValueError(f"{where}: rope_mode={spec.rope_mode!r} is not served (the families served rotate q/k)")
 
