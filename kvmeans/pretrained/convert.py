@@ -71,7 +71,7 @@ class KVMSpec:
     ``exact_heads``: per-head budgets of the reserve, one weight per converted layer and kv head (``convert_hf``
     measures them when given ``"copy"``: each head's copy score on built-in text, ``kvmeans.pretrained.heads``);
     the ``exact_rows x kv heads`` slots are shared out by them (``heads.head_caps``), ``exact_rows`` staying the
-    mean (None: ``exact_rows`` in every head);
+    mean (None: ``exact_rows`` in every head; without exact rows it is dropped: nothing to share out);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -131,9 +131,8 @@ class KVMSpec:
             if not rows or len({len(r) for r in rows}) != 1 or any(w < 0 or w != w for r in rows for w in r):
                 raise ValueError("exact_heads must hold one list of non-negative weights per converted layer, as "
                                  "many in each (its kv heads)")
-            if not self.exact_rows:
-                raise ValueError("exact_heads shares out the reserve's slots: it needs exact_rows > 0")
-            object.__setattr__(self, "exact_heads", rows)      # lists (JSON) -> tuples: a frozen, hashable spec
+            # lists (JSON) -> tuples: a frozen, hashable spec; without a reserve there is nothing to share out
+            object.__setattr__(self, "exact_heads", rows if self.exact_rows else None)
         if self.exact_scope not in EXACT_SCOPES:
             raise ValueError(f"exact_scope must be one of {EXACT_SCOPES} (how the reserve ranks tokens: novelty "
                              f"averaged over the layers, the first layer's, or each layer's own), got "
@@ -252,8 +251,6 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
             out[key] = int(val)
     later = ("budget", "exact_rows") if budget_later else ()
     KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys", "exact_heads") + later})
-    if out.get("exact_heads") and not budget_later and not out.get("calibrate") and not out.get("exact_rows"):
-        raise ValueError("exact_heads shares out the reserve's slots: it needs exact_rows > 0")
     return out
 
 
@@ -457,6 +454,9 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     record = None
+    if settings.get("exact_heads") == "copy" and not settings.get("exact_rows") and not calibrates(
+            {**settings, "calibrate": calibrate}):
+        settings["exact_heads"] = None          # no reserve to share out: nothing to measure
     if settings.get("exact_heads") == "copy":    # measured on the model as it is, before any conversion
         from kvmeans.pretrained.heads import copy_scores
         if any(getattr(m, "kvm_spec", None) is not None for m in model.modules()):

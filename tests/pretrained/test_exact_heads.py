@@ -136,16 +136,16 @@ def test_given_weights_set_the_caps_and_bad_ones_are_refused():
     assert caps[0][0] == 24 and caps[1] == [0, 0]               # the most (4 x 6) to the one head, the floor (0) else
     with pytest.raises(ValueError, match="this conversion has"):
         convert_hf(tiny("llama"), **SPEC, exact_heads=((1.0, 0.0),))
-    with pytest.raises(ValueError, match="needs exact_rows > 0"):
-        KVMSpec(exact_heads=((1.0, 0.0),))
+    assert KVMSpec(exact_heads=((1.0, 0.0),)).exact_heads is None          # no reserve: nothing to share out
+    assert convert_hf(tiny("llama"), budget=24, chunk_len=8, exact_heads="copy").config.kvm_conversion[
+        "exact_heads"] is None                                  # nor to measure (no tokenizer needed)
     with pytest.raises(ValueError, match="convert_hf measures the weights"):
         KVMSpec(exact_rows=4, exact_heads="copy")
     assert parse_kvm_spec("exact_rows=8,exact_heads=copy") == {"exact_rows": 8, "exact_heads": "copy"}
     assert parse_kvm_spec("exact_rows=8,exact_heads=uniform") == {"exact_rows": 8}
     with pytest.raises(ValueError, match="exact_heads must be copy .* or uniform"):
         parse_kvm_spec("exact_rows=8,exact_heads=all")
-    with pytest.raises(ValueError, match="needs exact_rows > 0"):
-        parse_kvm_spec("exact_heads=copy")
+    assert parse_kvm_spec("exact_heads=copy") == {"exact_heads": "copy"}     # exact_rows may come later (auto)
     with pytest.raises(ValueError, match="measures the original model's heads"):
         convert_hf(model, **SPEC, exact_heads="copy", tokenizer=_CharTokenizer())
     assert KVMSpec.from_dict({"budget": 64, "exact_rows": 8}).exact_heads is None      # saved before the field
@@ -162,3 +162,12 @@ def test_vllm_refuses_it_at_start_up():
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
     with pytest.raises(ValueError, match="exact_heads .* is not served yet"):
         _refusals(config)
+
+
+def test_the_bench_takes_it_beside_a_named_split():
+    from kvmeans.cli.bench_pretrained import _named_split
+    from kvmeans.pretrained.arms import kvm_settings
+    kvm = _named_split("auto:C16-w0.75-e0.75,exact_heads=copy")
+    assert kvm["exact_heads"] == "copy" and kvm["split"].name == "C16-w0.75-e0.75"
+    got = kvm_settings(2048, kvm)
+    assert got["exact_heads"] == "copy" and got["exact_rows"] > 0
