@@ -113,6 +113,7 @@ def _named_split(text: str):
         extra = parse_kvm_spec(rest) if rest else {}
     except ValueError as err:
         raise UsageError(f"--kvm {text}: {err}") from None
+    extra.setdefault("exact_heads", "copy")        # the automatic setting's per-head budgets (docs/pretrained.md)
     sized = [k for k in SPLIT_SIZES if k in extra]
     if sized or extra.get("calibrate"):
         raise UsageError(f"--kvm {text}: 'auto' sets {', '.join(SPLIT_SIZES)} itself; give auto or auto:NAME "
@@ -134,7 +135,8 @@ def _calibrated_split(model, tok, base: dict):
     run."""
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named
     from kvmeans.pretrained.convert import convert_hf
-    chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN, base=base)
+    chosen = calibrate(model, convert=convert_hf, windows=calibration_windows(tok), text=BUILT_IN,
+                       base={**base, "exact_heads": "uniform"})      # the split is chosen with equal budgets
     record = chosen["calibration"]
     print(f"--kvm auto: calibrated split {record['chosen']} ({record['seconds']} s)", flush=True)
     return split_named(record["chosen"]), record

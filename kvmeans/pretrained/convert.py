@@ -237,8 +237,7 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
             if val not in ("copy", "uniform"):
                 raise ValueError(f"exact_heads must be copy (per-head budgets from each head's copy score) or "
                                  f"uniform (the same in every head), got {val!r}")
-            if val == "copy":
-                out[key] = val
+            out[key] = val
         elif key in ("log_count_bias", "learned", "exact_join"):
             if val not in ("true", "false", "1", "0"):
                 raise ValueError(f"{key} must be true or false, got {val!r}")
@@ -249,6 +248,8 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
+    if named:                               # a named split converts as the automatic setting does
+        out.setdefault("exact_heads", "copy")
     later = ("budget", "exact_rows") if budget_later else ()
     KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys", "exact_heads") + later})
     return out
@@ -424,7 +425,7 @@ def _prepare_cache(self, *args, **kwargs):
 def calibrates(settings: dict) -> bool:
     """Whether ``convert_hf(model, **settings)`` runs the calibration pass: ``calibrate=True``, or ``calibrate``
     not given (``None``) and no setting besides ``layers`` (what ``parse_kvm_spec("auto")`` and ``""`` give)."""
-    rest = [k for k in settings if k not in ("layers", "calibrate", "calibration", "tokenizer")]
+    rest = [k for k in settings if k not in ("layers", "calibrate", "calibration", "tokenizer", "exact_heads")]
     return bool(settings.get("calibrate")) or (settings.get("calibrate") is None and not rest)
 
 
@@ -454,24 +455,32 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         if not is_global[i]:
             raise ValueError(f"layers: {i} is a sliding-window layer; convert only global layers (layers='all')")
     record = None
-    if settings.get("exact_heads") == "copy" and not settings.get("exact_rows") and not calibrates(
-            {**settings, "calibrate": calibrate}):
-        settings["exact_heads"] = None          # no reserve to share out: nothing to measure
-    if settings.get("exact_heads") == "copy":    # measured on the model as it is, before any conversion
-        from kvmeans.pretrained.heads import copy_scores
-        if any(getattr(m, "kvm_spec", None) is not None for m in model.modules()):
-            raise ValueError("exact_heads='copy' measures the original model's heads; convert the original model")
-        scores = copy_scores(model, tokenizer)
-        settings["exact_heads"] = tuple(tuple(scores[i]) for i in chosen)
-    if calibrates({**settings, "calibrate": calibrate}):      # after the cheap checks: it takes minutes
+    auto = calibrates({**settings, "calibrate": calibrate})
+    # per-head budgets: the automatic setting's unless asked otherwise ("uniform"); chosen after the split, which
+    # the calibration picks with equal budgets
+    heads = settings.pop("exact_heads", "copy" if auto else None)
+    heads = None if heads == "uniform" else heads
+    if auto:      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
         from kvmeans.pretrained.calibrate import calibrate as _calibrate
         _check_rope_read(cfg, settings.get("rope_mode", "pre_rope_fixed" if FAMILIES[family] else "none"))
         keys = settings.pop("keys", DEFAULT_KEYS)
         base = {**settings, "layers": chosen}
-        settings = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer, base=base)
+        settings = _calibrate(model, keys, convert=convert_hf, windows=calibration, tokenizer=tokenizer,
+                              base={**base, "exact_heads": "uniform"})
         record = settings.pop("calibration")
         settings.pop("layers")
+        settings.pop("exact_heads")
+    if heads == "copy" and settings.get("exact_rows"):      # measured on the model as it is, before conversion
+        from kvmeans.pretrained.heads import copy_scores
+        if any(getattr(m, "kvm_spec", None) is not None for m in model.modules()):
+            raise ValueError("exact_heads='copy' measures the original model's heads; convert the original model")
+        from kvmeans.pretrained.heads import COPY_TOKENS
+        passage = None if calibration is None else calibration.flatten().tolist()
+        scores = copy_scores(model, tokenizer, ids=passage,
+                             tokens=COPY_TOKENS if passage is None else min(COPY_TOKENS, len(passage)))
+        heads = tuple(tuple(scores[i]) for i in chosen)
+    settings["exact_heads"] = None if heads == "copy" else heads     # "copy" without exact rows: nothing to share
     has_rope = FAMILIES[family]
     settings.setdefault("rope_mode", "pre_rope_fixed" if has_rope else "none")
     if not has_rope and settings["rope_mode"] != "none":

@@ -47,22 +47,27 @@ def head_caps(weights: Tensor, exact_rows: int, floor: float = HEAD_FLOOR, most:
 
 
 @torch.no_grad()
-def copy_scores(model, tokenizer=None, tokens: int = COPY_TOKENS, text: Optional[str] = None) -> List[List[float]]:
+def copy_scores(model, tokenizer=None, tokens: int = COPY_TOKENS, text: Optional[str] = None,
+                ids: Optional[List[int]] = None) -> List[List[float]]:
     """Each attention layer's copy score per kv head (``[n_layers][Hkv]``, layer index order): the model (not yet
     converted) reads ``tokens`` tokens of ``text`` (default: the built-in plays) twice, eager attention; a head's
     score is the mean over the second copy's queries of the attention, most over its kv group's query heads, on
-    the first copy's token after the current one. ``tokenizer``: default the model's own (from its folder)."""
+    the first copy's token after the current one. ``tokenizer``: default the model's own (from its folder);
+    ``ids``: the passage as token ids instead (its first ``tokens``; e.g. calibration windows given as ids)."""
     from kvmeans.pretrained.calibrate import _plays, _tokenizer_of
     # benches convert a weight-sharing copy per setting: the same weights, the same probe, measured once
     key = (getattr(model.config, "_name_or_path", ""), next(model.parameters()).data_ptr(), tokens)
-    if tokenizer is None and text is None and key in _MEASURED:
+    built_in = tokenizer is None and text is None and ids is None
+    if built_in and key in _MEASURED:
         return [list(r) for r in _MEASURED[key]]
-    tok = tokenizer if tokenizer is not None else _tokenizer_of(model)
-    text = _plays() if text is None else text
-    start = len(text) // 3                              # past the opening: lines, not a title page
-    ids = tok(text[start:start + 12 * tokens], add_special_tokens=False)["input_ids"][:tokens]
+    if ids is None:
+        tok = tokenizer if tokenizer is not None else _tokenizer_of(model)
+        text = _plays() if text is None else text
+        start = len(text) // 3                          # past the opening: lines, not a title page
+        ids = tok(text[start:start + 12 * tokens], add_special_tokens=False)["input_ids"]
+    ids = list(ids)[:tokens]
     if len(ids) < tokens:
-        raise ValueError(f"exact_heads: the probe text gave {len(ids)} tokens, fewer than {tokens}")
+        raise ValueError(f"exact_heads: the probe passage has {len(ids)} tokens, fewer than {tokens}")
     device = next(model.parameters()).device
     x = torch.tensor([ids + ids], device=device)
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -81,7 +86,7 @@ def copy_scores(model, tokenizer=None, tokens: int = COPY_TOKENS, text: Optional
     for a in att:                                       # [1, H, 2n, 2n]
         on_next = a[0, :, q, q - tokens + 1].float()    # [H, n - 1]
         out.append(on_next.reshape(hkv, -1, on_next.shape[-1]).amax(1).mean(-1).tolist())
-    if tokenizer is None and text is None:
+    if built_in:
         _MEASURED[key] = [list(r) for r in out]
     return out
 

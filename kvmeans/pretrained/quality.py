@@ -239,7 +239,8 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
                 settings.setdefault("kvm_effective", {})[str(keys)] = effective_record(got)
                 arms.append(converted_arm("kvm", converted(got), length))
             if split is not None:
-                arms.append(converted_arm("kvm-auto", converted(split_settings(split, keys)), length))
+                arms.append(converted_arm("kvm-auto", converted({**split_settings(split, keys),
+                                                                 "exact_heads": "copy"}), length))
             if name in distilled:               # its learned read-out at this cell's kept keys
                 with open(Path(distilled[name]) / "config.json", encoding="utf-8") as f:
                     stored = json.load(f)["kvm_conversion"]

@@ -167,6 +167,8 @@ def kvm_hf_overrides(model_dir, spec) -> dict:
     from kvmeans.pretrained.convert import CONFIG_KEY, calibrates, convert_hf, parse_kvm_spec
 
     settings = parse_kvm_spec(spec) if isinstance(spec, str) else dict(spec)
+    if "exact_heads" not in (spec if isinstance(spec, str) else settings):
+        settings["exact_heads"] = "uniform"     # the automatic setting's per-head budgets are not served yet
     config = AutoConfig.from_pretrained(model_dir)
     if getattr(config, CONFIG_KEY, None):
         raise ValueError(f"{model_dir} is converted already (its config.json has {CONFIG_KEY!r}); serve it without "

@@ -230,7 +230,7 @@ def test_kvm_auto_spends_a_calibration_split_at_each_kept_keys_without_shrinking
         assert got == {"chunk_len": 16, "n_bswa_chunks": want["n_bswa_chunks"], "budget": want["budget"].n,
                        "exact_rows": want["exact_rows"]}
     assert res["settings"]["kvm_effective"]["198"]["n_bswa_chunks"] * 16 == 144 > 198 // 2
-    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75"}
+    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75", "exact_heads": "copy"}
     conv = [a for a in res["answers"] if a["ratio"] == 0.5][0]
     assert conv["kept_keys"] == 198
     bp_cli.main(common + ["--out", str(tmp_path / "cal"), "--kvm", "auto", "--ratios", "0.5"])
@@ -239,7 +239,7 @@ def test_kvm_auto_spends_a_calibration_split_at_each_kept_keys_without_shrinking
     assert len(res["settings"]["calibration"]["candidates"]) == 7
     want = split_settings(split_named(chosen), 198)
     assert res["settings"]["kvm_effective"]["198"]["budget"] == want["budget"].n
-    assert res["settings"]["kvm_settings"] == {"auto": chosen}
+    assert res["settings"]["kvm_settings"] == {"auto": chosen, "exact_heads": "copy"}
     for bad, msg in (("auto:C99-w0.10-e0.00", "no calibration split called 'C99-w0.10-e0.00'; give one of C32"),
                      ("auto:C16-w0.75-e0.75,exact_rows=4", "'auto' sets budget, chunk_len, n_bswa_chunks, sink_len"),
                      ("auto,chunk_len=8", "--kvm auto,chunk_len=8: 'auto' sets budget"),
@@ -265,19 +265,21 @@ def test_kvm_auto_takes_other_settings_beside_the_split(model_dir, tmp_path, mon
     bp_cli.main(common + ["--out", str(tmp_path / "named"), "--kvm", "auto:C16-w0.75-e0.75,exact_scope=first,"
                           "exact_join=1,exact_lead=2"])
     res = json.loads((tmp_path / "named" / "bench.json").read_text())
-    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75", "exact_scope": "first",
-                                               "exact_join": True, "exact_lead": 2}
+    assert res["settings"]["kvm_settings"] == {"auto": "C16-w0.75-e0.75", "exact_heads": "copy",
+                                               "exact_scope": "first", "exact_join": True, "exact_lead": 2}
     want = split_settings(split_named("C16-w0.75-e0.75"), 198)
-    assert seen == [{**want, "exact_scope": "first", "exact_join": True, "exact_lead": 2}]
+    assert seen == [{**want, "exact_scope": "first", "exact_join": True, "exact_lead": 2, "exact_heads": "copy"}]
     assert res["settings"]["kvm_effective"]["198"]["exact_rows"] == want["exact_rows"] > 0
     calls = []
     monkeypatch.setattr(bp_cli, "_calibrated_split", lambda model, tok, base: calls.append(base) or
                         (split_named("C32-w0.50-e0.25"), {"chosen": "C32-w0.50-e0.25"}))
     bp_cli.main(common + ["--out", str(tmp_path / "cal"), "--kvm", "auto,exact_scope=first"])
-    assert calls == [{"exact_scope": "first"}]
+    assert calls == [{"exact_scope": "first", "exact_heads": "copy"}]
     res = json.loads((tmp_path / "cal" / "bench.json").read_text())
-    assert res["settings"]["kvm_settings"] == {"auto": "C32-w0.50-e0.25", "exact_scope": "first"}
-    assert seen[-1] == {**split_settings(split_named("C32-w0.50-e0.25"), 198), "exact_scope": "first"}
+    assert res["settings"]["kvm_settings"] == {"auto": "C32-w0.50-e0.25", "exact_scope": "first",
+                                               "exact_heads": "copy"}
+    assert seen[-1] == {**split_settings(split_named("C32-w0.50-e0.25"), 198), "exact_scope": "first",
+                        "exact_heads": "copy"}
 
 
 def test_recall_rows_use_kvpress_kept_keys_per_sample(model, tok):

@@ -86,6 +86,12 @@ def test_bare_convert_calibrates_records_and_reloads(tmp_path):
     assert conv["calibration"]["chosen"] in {c.name for c in CANDIDATES}
     assert conv["calibration"]["keys"] == 260
     assert conv["budget"]["n"] + conv["n_bswa_chunks"] * conv["chunk_len"] == 260
+    # per-head budgets come with the automatic setting (measured on the calibration ids here), after the split
+    # was chosen with equal ones; "uniform" opts out and picks the same split
+    heads = conv["exact_heads"]
+    assert heads is None if not conv["exact_rows"] else (len(heads) == 2 and all(len(r) == 2 for r in heads))
+    uniform = convert_hf(tiny(), calibration=ids, exact_heads="uniform").config.kvm_conversion
+    assert uniform["exact_heads"] is None and uniform["calibration"]["chosen"] == conv["calibration"]["chosen"]
     model.save_pretrained(tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())["kvm_conversion"]
     assert stored["calibration"] == conv["calibration"]
@@ -101,9 +107,11 @@ def test_a_named_split_in_a_spec_string_converts_at_its_sizes_without_calibratin
     ``N`` kept keys (default 260), other settings kept, no calibration pass; ``auto,keys=N`` calibrates at N."""
     from kvmeans.pretrained.calibrate import split_named
     spec = parse_kvm_spec("auto:C16-w0.75-e0.75,exact_scope=first")
-    assert spec == {**split_settings(split_named("C16-w0.75-e0.75"), 260), "exact_scope": "first"}
-    assert parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96") == split_settings(split_named("C32-w0.50-e0.25"), 96)
-    m = convert_hf(tiny(), **parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96"))      # no tokenizer: would raise
+    assert spec == {**split_settings(split_named("C16-w0.75-e0.75"), 260), "exact_scope": "first",
+                    "exact_heads": "copy"}          # the automatic setting's per-head budgets
+    assert parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96,exact_heads=uniform") == {
+        **split_settings(split_named("C32-w0.50-e0.25"), 96), "exact_heads": "uniform"}
+    m = convert_hf(tiny(), **parse_kvm_spec("auto:C32-w0.50-e0.25,keys=96,exact_heads=uniform"))     # no tokenizer
     conv = m.config.kvm_conversion
     assert "calibration" not in conv
     assert (conv["chunk_len"], conv["n_bswa_chunks"], conv["budget"]["n"], conv["exact_rows"]) == (32, 2, 32, 0)

@@ -142,7 +142,7 @@ def test_given_weights_set_the_caps_and_bad_ones_are_refused():
     with pytest.raises(ValueError, match="convert_hf measures the weights"):
         KVMSpec(exact_rows=4, exact_heads="copy")
     assert parse_kvm_spec("exact_rows=8,exact_heads=copy") == {"exact_rows": 8, "exact_heads": "copy"}
-    assert parse_kvm_spec("exact_rows=8,exact_heads=uniform") == {"exact_rows": 8}
+    assert parse_kvm_spec("exact_rows=8,exact_heads=uniform") == {"exact_rows": 8, "exact_heads": "uniform"}
     with pytest.raises(ValueError, match="exact_heads must be copy .* or uniform"):
         parse_kvm_spec("exact_rows=8,exact_heads=all")
     assert parse_kvm_spec("exact_heads=copy") == {"exact_heads": "copy"}     # exact_rows may come later (auto)
