@@ -477,8 +477,12 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
             raise ValueError("exact_heads='copy' measures the original model's heads; convert the original model")
         from kvmeans.pretrained.heads import COPY_TOKENS
         passage = None if calibration is None else calibration.flatten().tolist()
-        scores = copy_scores(model, tokenizer, ids=passage,
-                             tokens=COPY_TOKENS if passage is None else min(COPY_TOKENS, len(passage)))
+        try:
+            scores = copy_scores(model, tokenizer, ids=passage,
+                                 tokens=COPY_TOKENS if passage is None else min(COPY_TOKENS, len(passage)))
+        except ValueError as err:
+            raise ValueError(f"exact_heads='copy' (the automatic setting's per-head budgets) reads a passage through "
+                             f"the model's tokenizer: {err}; or give exact_heads='uniform' (equal budgets)") from err
         heads = tuple(tuple(scores[i]) for i in chosen)
     settings["exact_heads"] = None if heads == "copy" else heads     # "copy" without exact rows: nothing to share
     has_rope = FAMILIES[family]

@@ -171,3 +171,9 @@ def test_the_bench_takes_it_beside_a_named_split():
     assert kvm["exact_heads"] == "copy" and kvm["split"].name == "C16-w0.75-e0.75"
     got = kvm_settings(2048, kvm)
     assert got["exact_heads"] == "copy" and got["exact_rows"] > 0
+
+
+def test_a_model_without_a_tokenizer_is_told_how_to_go_on():
+    from kvmeans.pretrained.calibrate import split_named, split_settings
+    with pytest.raises(ValueError, match="exact_heads='copy'.*tokenizer.*exact_heads='uniform'"):
+        convert_hf(tiny("llama"), **split_settings(split_named("C16-w0.75-e0.75"), 260), exact_heads="copy")
