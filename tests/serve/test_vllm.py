@@ -312,15 +312,18 @@ def _tiny(family, out, spec, layers="all", seed=0):
 
 def test_qwen3_learned_readout_equals_transformers(tmp_path):
     """A tiny Qwen3 (q/k norms) with KVM's learned read-out (merge gate, LN_s, temperatures: kvmeans distill's
-    parameters, perturbed) saved and served: greedy tokens equal load_converted's."""
+    parameters, perturbed) saved and served: greedy tokens equal load_converted's up to a near tie (on a 2-core Intel
+    Xeon the second prompt's third token is one: transformers' top two logits 4.516 and 4.498, vLLM picks the
+    second)."""
     folder = _tiny("qwen3", tmp_path / "qwen3", SPEC + ",learned=true")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 140, 61)]
     llm = _engine(folder, skip_tokenizer_init=True)
-    got = _greedy(llm, prompts)
+    got = _greedy(llm, prompts, logprobs=True)
     _release(llm)
-    ref = _hf_greedy(kvmeans.load_converted(folder, dtype=torch.float32).eval(), prompts)
-    assert got == ref
+    ref = _hf_greedy(kvmeans.load_converted(folder, dtype=torch.float32).eval(), prompts, logprobs=True)
+    _assert_greedy_agree(got, ref)
+    assert sum(a == b for a, b in zip(got[0], ref[0])) >= 2        # the other prompts token for token
 
 
 def test_mistral_equals_transformers(tmp_path):
