@@ -105,6 +105,7 @@ def _named_split(text: str):
     any ``convert_hf`` settings but the sizes the split sets (:data:`SPLIT_SIZES`), e.g. ``exact_scope=first``."""
     from kvmeans.pretrained.calibrate import CANDIDATES, split_named
     from kvmeans.pretrained.convert import parse_kvm_spec
+    from kvmeans.pretrained.heads import AUTOMATIC
     head, _, rest = text.partition(",")
     if any(item.strip().startswith("keys=") for item in rest.split(",")):
         raise UsageError(f"--kvm {text}: keys=N does not apply to a benchmark, which spends the split at each "
@@ -113,7 +114,7 @@ def _named_split(text: str):
         extra = parse_kvm_spec(rest) if rest else {}
     except ValueError as err:
         raise UsageError(f"--kvm {text}: {err}") from None
-    extra.setdefault("exact_heads", "copy")        # the automatic setting's per-head budgets (docs/pretrained.md)
+    extra.setdefault("exact_heads", AUTOMATIC)     # the automatic setting's per-head budgets (docs/pretrained.md)
     sized = [k for k in SPLIT_SIZES if k in extra]
     if sized or extra.get("calibrate"):
         raise UsageError(f"--kvm {text}: 'auto' sets {', '.join(SPLIT_SIZES)} itself; give auto or auto:NAME "

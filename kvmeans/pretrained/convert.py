@@ -23,6 +23,7 @@ from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import BOARD_SCOPES, NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
+from kvmeans.pretrained.heads import AUTOMATIC, COPY_TOKENS, copy_scores, head_caps
 from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES, check_exact_lead
 from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
@@ -249,7 +250,7 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
             out[key] = int(val)
     if named:                               # a named split converts as the automatic setting does
-        out.setdefault("exact_heads", "copy")
+        out.setdefault("exact_heads", AUTOMATIC)
     later = ("budget", "exact_rows") if budget_later else ()
     KVMSpec(**{k: v for k, v in out.items() if k not in ("layers", "calibrate", "keys", "exact_heads") + later})
     return out
@@ -458,7 +459,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     auto = calibrates({**settings, "calibrate": calibrate})
     # per-head budgets: the automatic setting's unless asked otherwise ("uniform"); chosen after the split, which
     # the calibration picks with equal budgets
-    heads = settings.pop("exact_heads", "copy" if auto else None)
+    heads = settings.pop("exact_heads", AUTOMATIC if auto else None)
     heads = None if heads == "uniform" else heads
     if auto:      # after the cheap checks: it takes minutes
         from kvmeans.pretrained.calibrate import DEFAULT_KEYS
@@ -472,10 +473,8 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         settings.pop("layers")
         settings.pop("exact_heads")
     if heads == "copy" and settings.get("exact_rows"):      # measured on the model as it is, before conversion
-        from kvmeans.pretrained.heads import copy_scores
         if any(getattr(m, "kvm_spec", None) is not None for m in model.modules()):
             raise ValueError("exact_heads='copy' measures the original model's heads; convert the original model")
-        from kvmeans.pretrained.heads import COPY_TOKENS
         passage = None if calibration is None else calibration.flatten().tolist()
         try:
             scores = copy_scores(model, tokenizer, ids=passage,
@@ -499,7 +498,6 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
     _check_rope_read(cfg, spec.rope_mode)
     caps = None
     if spec.exact_heads is not None:
-        from kvmeans.pretrained.heads import head_caps
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         if len(spec.exact_heads) != len(chosen) or len(spec.exact_heads[0]) != kv_heads:
             raise ValueError(f"exact_heads holds {len(spec.exact_heads)} layers x {len(spec.exact_heads[0])} heads; "

@@ -19,6 +19,7 @@ from torch import Tensor
 HEAD_FLOOR = 1 / 12     # the fewest slots a kv head keeps, as a share of exact_rows (4 of 48)
 HEAD_MOST = 4.0         # the most, as a multiple of exact_rows
 COPY_TOKENS = 384       # the passage length of the copy probe (read twice: 768 tokens, one eager forward)
+AUTOMATIC = "copy"      # what the automatic setting (convert_hf(model), auto, auto:NAME) gives exact_heads
 _MEASURED = {}          # (model path, first weight's address, tokens) -> copy scores, for copies sharing weights
 
 
@@ -89,4 +90,3 @@ def copy_scores(model, tokenizer=None, tokens: int = COPY_TOKENS, text: Optional
     if built_in:
         _MEASURED[key] = [list(r) for r in out]
     return out
-

@@ -249,8 +249,8 @@ def _advance(st: ConvertedKVMState, total: int, budget: Callable[[int], int], ch
     is the most of its own and the next ``exact_lead`` tokens', which are still in the window; ``exact_join``: a
     block's leading run that continues a run the slots hold is scored as within the block before; ``exact_caps``
     ``[Hkv]``: the slots of each kv head, the reserve as many as the largest, a head's slots past its cap dead). The
-    merged tokens
-    stay in the buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer per chunk)."""
+    merged tokens stay in the buffer until :func:`_trim` (once per call: trimming per chunk would copy the buffer
+    per chunk)."""
     target = bswa_begin(total, chunk_len, n_bswa_chunks)
     if target <= st.covered:
         return

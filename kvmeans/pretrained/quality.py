@@ -208,6 +208,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
     from kvmeans.pretrained.arms import converted_arm, effective_record, kvm_settings, shrink_note
     from kvmeans.pretrained.calibrate import BUILT_IN, calibrate, calibration_windows, split_named, split_settings
     from kvmeans.pretrained.convert import convert_hf, load_converted
+    from kvmeans.pretrained.heads import AUTOMATIC
     rows: List[Dict[str, Any]] = []
     records: List[Dict[str, Any]] = []
     settings = {} if settings is None else settings      # the caller writes it again: calibration records stay
@@ -240,7 +241,7 @@ def run_protocol(models: Sequence[str], corpora: Sequence[str], lengths: Sequenc
                 arms.append(converted_arm("kvm", converted(got), length))
             if split is not None:
                 arms.append(converted_arm("kvm-auto", converted({**split_settings(split, keys),
-                                                                 "exact_heads": "copy"}), length))
+                                                                 "exact_heads": AUTOMATIC}), length))
             if name in distilled:               # its learned read-out at this cell's kept keys
                 with open(Path(distilled[name]) / "config.json", encoding="utf-8") as f:
                     stored = json.load(f)["kvm_conversion"]

@@ -2,7 +2,6 @@
 model's slots; equal caps are the plain reserve bit for bit; a head fills only its cap and its dead slots are never
 read; any split equals one call; convert_hf measures copy scores on the original model, records them, and a saved
 model reloads with them; decode, padding, crop; refused where it cannot run."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +11,14 @@ from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention
 from tests.pretrained.test_reserve import _assert_same_state, _qkv
 
 tf = pytest.importorskip("transformers")
-from kvmeans.models.hf_compat import cache_kwargs  # noqa: E402
 from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 from tests.pretrained.test_convert import V, ids, tiny  # noqa: E402
-from tests.pretrained.test_reserve import assert_crop_replays, assert_left_padding_matches  # noqa: E402
+from tests.pretrained.test_exact_rank import vllm_config_of  # noqa: E402
+from tests.pretrained.test_reserve import (  # noqa: E402
+    assert_crop_replays,
+    assert_decode_matches,
+    assert_left_padding_matches,
+)
 
 RUN = dict(scaling=8 ** -0.5, budget=24, chunk_len=8, n_bswa_chunks=2, sink_len=2, rope_mode="none", exact_rows=6)
 
@@ -116,10 +119,7 @@ def test_convert_measures_records_and_reloads_the_head_weights(tmp_path):
         assert (full - uniform).abs().max() > 1e-6
     short = ids(16)                                             # nothing compressed: the original model
     torch.testing.assert_close(model(short).logits, plain(short).logits, rtol=1e-4, atol=1e-4)
-    cache = tf.DynamicCache(config=model.config)
-    steps = [x[:, :37], *x[:, 37:].split(1, 1)]
-    decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
-    torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
+    assert_decode_matches(model, x, full)
     assert_left_padding_matches(model)
     assert_crop_replays(model)
     model.save_pretrained(tmp_path)
@@ -153,13 +153,7 @@ def test_given_weights_set_the_caps_and_bad_ones_are_refused():
 
 def test_vllm_refuses_it_at_start_up():
     from kvmeans.serve.vllm_plugin import _refusals
-    n = 2
-    spec = KVMSpec(**SPEC, exact_heads=((0.5, 0.1),) * n).to_dict()
-    hf = SimpleNamespace(kvm_conversion={**spec, "layers": list(range(n))}, num_hidden_layers=n)
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_text_config=hf, model="m", model_impl="auto"),
-        cache_config=SimpleNamespace(enable_prefix_caching=False), speculative_config=None,
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    config = vllm_config_of(KVMSpec(**SPEC, exact_heads=((0.5, 0.1),) * 2), n_layers=2)
     with pytest.raises(ValueError, match="exact_heads .* is not served yet"):
         _refusals(config)
 

@@ -11,13 +11,13 @@ from kvmeans.ops.budget import StateBudget
 from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention
 
 tf = pytest.importorskip("transformers")
-from kvmeans.models.hf_compat import cache_kwargs  # noqa: E402
 from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 from tests.pretrained.test_convert import ids, tiny  # noqa: E402
 from tests.pretrained.test_reserve import (  # noqa: E402
     _assert_same_state,
     _qkv,
     assert_crop_replays,
+    assert_decode_matches,
     assert_left_padding_matches,
 )
 
@@ -106,10 +106,7 @@ def test_converted_llama_decodes_pads_crops_and_saves_like_one_forward(tmp_path,
     full = model(x).logits
     other = convert_hf(tiny("llama"), **{**RANKED, "exact_scope": scope, "exact_rank": "novelty"})(x).logits
     assert (full - other).abs().max() > 1e-5
-    cache = tf.DynamicCache(config=model.config)
-    steps = [x[:, :37], *x[:, 37:].split(1, 1)]
-    decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
-    torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
+    assert_decode_matches(model, x, full)
     assert_left_padding_matches(model)
     assert_crop_replays(model)
     model.save_pretrained(tmp_path)
@@ -128,15 +125,21 @@ def test_spec_parses_saves_and_refuses():
                                 n_bswa_chunks=1, sink_len=1, rope_mode="none", exact_rows=2, exact_rank="loud")
 
 
-def test_vllm_refuses_it_at_start_up():
-    """The state slots of the vLLM layers hold no per-token scores: refused with the fix (no vLLM needed)."""
-    from kvmeans.serve.vllm_plugin import _refusals
-    spec = KVMSpec(**{**RANKED, "exact_scope": "layer"}).to_dict()
-    hf = SimpleNamespace(kvm_conversion={**spec, "layers": [0, 1]}, num_hidden_layers=2)
-    config = SimpleNamespace(
+def vllm_config_of(spec: KVMSpec, n_layers: int) -> SimpleNamespace:
+    """What ``vllm_plugin._refusals`` reads of a vLLM config, for a folder converted with ``spec`` in every layer."""
+    hf = SimpleNamespace(kvm_conversion={**spec.to_dict(), "layers": list(range(n_layers))},
+                         num_hidden_layers=n_layers)
+    return SimpleNamespace(
         model_config=SimpleNamespace(hf_text_config=hf, model="m", model_impl="auto"),
         cache_config=SimpleNamespace(enable_prefix_caching=False), speculative_config=None,
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+
+def test_vllm_refuses_it_at_start_up():
+    """The state slots of the vLLM layers hold no per-token scores: refused with the fix (no vLLM needed)."""
+    from kvmeans.serve.vllm_plugin import _refusals
+    config = vllm_config_of(KVMSpec(**{**RANKED, "exact_scope": "layer"}), n_layers=2)
+    hf = config.model_config.hf_text_config
     with pytest.raises(ValueError, match="exact_rank='attention'.*exact_rank=novelty"):
         _refusals(config)
     hf.kvm_conversion["exact_rank"] = "novelty"

@@ -256,10 +256,7 @@ def test_converted_llama_decodes_and_generates_like_full_forwards():
     x = ids(100)
     full = model(x).logits
     assert (full - convert_hf(tiny("llama"), **{**RESERVE, "exact_rows": 0})(x).logits).abs().max() > 1e-4
-    cache = tf.DynamicCache(config=model.config)
-    steps = [x[:, :37], *x[:, 37:].split(1, 1)]                             # prefill, then token by token
-    decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
-    torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
+    cache = assert_decode_matches(model, x, full)
     assert cache.layers[0].state.num_rows == 16
     x = ids(30)
     run = dict(max_new_tokens=25, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(x))
@@ -276,6 +273,16 @@ def test_save_load_left_padding_and_crop_keep_the_reserve(tmp_path):
     torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
     assert_left_padding_matches(model)
     assert_crop_replays(model)
+
+
+def assert_decode_matches(model, x, full):
+    """A prefill of 37 tokens, then one token per call through the cache: the logits of one forward (``full``);
+    returns the cache."""
+    cache = tf.DynamicCache(config=model.config)
+    steps = [x[:, :37], *x[:, 37:].split(1, 1)]
+    decoded = torch.cat([model(s, **cache_kwargs(cache), use_cache=True).logits for s in steps], 1)
+    torch.testing.assert_close(decoded, full, rtol=0, atol=1e-5)
+    return cache
 
 
 def assert_left_padding_matches(model):
