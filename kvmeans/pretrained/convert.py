@@ -23,7 +23,7 @@ from kvmeans.ops.budget import parse_budget_spec as _parse_budget
 from kvmeans.pretrained.attention import convert_attention_layer
 from kvmeans.pretrained.board import BOARD_SCOPES, NoveltyBoard
 from kvmeans.pretrained.cache import kvm_cache_layer
-from kvmeans.pretrained.heads import AUTOMATIC, COPY_TOKENS, copy_scores, head_caps
+from kvmeans.pretrained.heads import AUTOMATIC, COPY_TOKENS, HEAD_FLOOR, copy_scores, head_caps
 from kvmeans.pretrained.op import EXACT_RANKS, ROPE_MODES, check_exact_lead
 from kvmeans.utils.heap import bound_heap
 from kvmeans.utils.weights import named_weight_errors
@@ -73,6 +73,8 @@ class KVMSpec:
     measures them when given ``"copy"``: each head's copy score on built-in text, ``kvmeans.pretrained.heads``);
     the ``exact_rows x kv heads`` slots are shared out by them (``heads.head_caps``), ``exact_rows`` staying the
     mean (None: ``exact_rows`` in every head; without exact rows it is dropped: nothing to share out);
+    ``exact_floor``: with ``exact_heads``, the fewest slots a kv head keeps, as a share of ``exact_rows``
+    (``heads.HEAD_FLOOR``; folders saved before it reload with 1/12);
     ``learned``: the layers carry KVM's learned read-out as parameters (merge gate, LN_s, temperatures;
     ``kvmeans.pretrained.attention.add_learned_parameters``), initialised to the training-free read;
     ``prefill_segment``: an eval-mode forward over more tokens runs them through all layers this many at a time,
@@ -94,6 +96,7 @@ class KVMSpec:
     exact_lead: int = 1
     exact_join: bool = False
     exact_heads: Optional[Tuple[Tuple[float, ...], ...]] = None
+    exact_floor: float = HEAD_FLOOR
     learned: bool = False
     prefill_segment: int = 256         # tokens x MLP width: the prefill's transient; as fast as 1024 on CPU
 
@@ -124,6 +127,9 @@ class KVMSpec:
             raise ValueError(f"exact_rank must be one of {EXACT_RANKS} (what the reserve ranks a token by: its "
                              f"novelty, or the attention it received in the window), got {self.exact_rank!r}")
         check_exact_lead(self.exact_lead, self.chunk_len, self.n_bswa_chunks)
+        if not 0 <= self.exact_floor <= 1:
+            raise ValueError(f"exact_floor must be in [0, 1] (the fewest slots a kv head keeps, as a share of "
+                             f"exact_rows), got {self.exact_floor}")
         if self.exact_heads is not None:
             if isinstance(self.exact_heads, str):
                 raise ValueError(f"exact_heads={self.exact_heads!r}: convert_hf measures the weights (give it "
@@ -176,6 +182,7 @@ class KVMSpec:
         d.setdefault("exact_scope", "layer")     # saved before exact_scope existed: the ranking it was saved with
         d.setdefault("exact_lead", 0)            # saved before exact_lead existed: each token its own novelty
         d.setdefault("exact_join", False)        # saved before exact_join existed
+        d.setdefault("exact_floor", 1 / 12)      # saved before exact_floor existed: the floor it was saved with
         if isinstance(d.get("budget"), dict):
             d["budget"] = StateBudget(**d["budget"])
         return cls(**d)
@@ -245,6 +252,11 @@ def parse_kvm_spec(text: str, budget_later: bool = False) -> dict:
             out[key] = val in ("true", "1")
         elif key == "rope_distance" and val == "none":
             out[key] = None
+        elif key == "exact_floor":
+            try:
+                out[key] = float(val)
+            except ValueError:
+                raise ValueError(f"exact_floor must be a number in [0, 1], got {val!r}") from None
         else:
             if not val.isdigit():
                 raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
@@ -502,7 +514,7 @@ def convert_hf(model, *, layers: Union[str, Sequence[int]] = "all", calibrate: O
         if len(spec.exact_heads) != len(chosen) or len(spec.exact_heads[0]) != kv_heads:
             raise ValueError(f"exact_heads holds {len(spec.exact_heads)} layers x {len(spec.exact_heads[0])} heads; "
                              f"this conversion has {len(chosen)} layers x {kv_heads} kv heads")
-        caps = head_caps(torch.tensor(spec.exact_heads, dtype=torch.float64), spec.exact_rows)
+        caps = head_caps(torch.tensor(spec.exact_heads, dtype=torch.float64), spec.exact_rows, spec.exact_floor)
     # exact_scope "model" / "first": one board per model
     board = NoveltyBoard(len(chosen), spec.exact_scope) if chosen and spec.exact_scope in BOARD_SCOPES else None
     for pos, i in enumerate(chosen):

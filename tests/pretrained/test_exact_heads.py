@@ -131,7 +131,7 @@ def test_convert_measures_records_and_reloads_the_head_weights(tmp_path):
 def test_given_weights_set_the_caps_and_bad_ones_are_refused():
     n = tiny("llama").config.num_hidden_layers
     strong = tuple((1.0, 0.0) if i == 0 else (0.0, 0.0) for i in range(n))
-    model = convert_hf(tiny("llama"), **SPEC, exact_heads=strong)
+    model = convert_hf(tiny("llama"), **SPEC, exact_heads=strong, exact_floor=0.0)
     caps = [m.kvm_exact_caps.tolist() for m in model.modules() if getattr(m, "kvm_spec", None) is not None]
     assert caps[0][0] == 24 and caps[1] == [0, 0]               # the most (4 x 6) to the one head, the floor (0) else
     with pytest.raises(ValueError, match="this conversion has"):
@@ -171,3 +171,24 @@ def test_a_model_without_a_tokenizer_is_told_how_to_go_on():
     from kvmeans.pretrained.calibrate import split_named, split_settings
     with pytest.raises(ValueError, match="exact_heads='copy'.*tokenizer.*exact_heads='uniform'"):
         convert_hf(tiny("llama"), **split_settings(split_named("C16-w0.75-e0.75"), 260), exact_heads="copy")
+
+
+def test_the_floor_is_a_setting_recorded_and_reloaded(tmp_path):
+    n = tiny("llama").config.num_hidden_layers
+    strong = tuple((1.0, 0.0) if i == 0 else (0.0, 0.0) for i in range(n))
+    spec = dict(budget=40, chunk_len=8, n_bswa_chunks=2, sink_len=2, exact_rows=12)
+    for floor, least in ((0.0, 0), (0.25, 3), (0.5, 6), (1.0, 12)):
+        model = convert_hf(tiny("llama"), **spec, exact_heads=strong, exact_floor=floor)
+        caps = torch.stack([m.kvm_exact_caps for m in model.modules() if getattr(m, "kvm_spec", None) is not None])
+        assert int(caps.min()) == least and int(caps.sum()) <= 12 * caps.numel()
+        assert model.config.kvm_conversion["exact_floor"] == floor
+    x = ids(90)
+    model.save_pretrained(tmp_path)                              # floor 1: every head 12, the uniform reserve
+    torch.testing.assert_close(load_converted(tmp_path)(x).logits, convert_hf(tiny("llama"), **spec)(x).logits,
+                               rtol=0, atol=0)
+    assert parse_kvm_spec("exact_rows=8,exact_heads=copy,exact_floor=0.25")["exact_floor"] == 0.25
+    for bad in ("x", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match="exact_floor must be"):
+            parse_kvm_spec(f"exact_rows=8,exact_floor={bad}")
+    # saved before the setting: the floor those folders were converted with
+    assert KVMSpec.from_dict({"budget": 64, "exact_rows": 8, "exact_heads": [[1.0, 0.0]]}).exact_floor == 1 / 12

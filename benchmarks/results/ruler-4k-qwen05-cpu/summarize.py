@@ -1,8 +1,9 @@
 """RULER scores (kvpress / RULER's string_match_all: the share of a sample's answers found in its prediction, x100,
 averaged over samples) per task, arm and ratio from `kvmeans bench pretrained` bench.json files (or kvpress.json
 files of benchmarks/kvpress/run_kvpress.py on the same samples.jsonl), side by side:
-python summarize.py [LABEL=]bench.json ... (the samples.jsonl beside each file, or else the first file's; every
-answer's sample sha256 is checked; a LABEL prefixes that file's arms, e.g. first-join=q05-4k-first-join/bench.json)"""
+python summarize.py [LABEL=]bench.json ... (the samples.jsonl beside each file, or else those beside the files
+before it; every answer's sample sha256 is checked; a LABEL prefixes that file's arms, e.g.
+first-join=q05-4k-first-join/bench.json)"""
 import json
 import sys
 from collections import defaultdict
@@ -11,12 +12,14 @@ from pathlib import Path
 from kvmeans.eval import ruler
 
 cells = defaultdict(list)
-first = Path(sys.argv[1].rpartition("=")[2]).with_name("samples.jsonl")
+seen = {}                                                   # the samples beside the files so far, by id
 for arg in sys.argv[1:]:
     label, _, path = arg.rpartition("=")
     bench = json.loads(Path(path).read_text())
     beside = Path(path).with_name("samples.jsonl")
-    samples = {s["id"]: s for s in map(json.loads, (beside if beside.exists() else first).read_text().splitlines())}
+    if beside.exists():
+        seen.update({s["id"]: s for s in map(json.loads, beside.read_text().splitlines())})
+    samples = seen
     for a in bench["answers"] if "answers" in bench else bench["samples"]:     # bench.json / kvpress.json
         s = samples[a["id"]]
         assert s["sha256"] == a["sha256"], f"{path}: {a['id']} ran other token ids than {beside}"
