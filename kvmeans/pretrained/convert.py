@@ -437,8 +437,10 @@ def _prepare_cache(self, *args, **kwargs):
 
 def calibrates(settings: dict) -> bool:
     """Whether ``convert_hf(model, **settings)`` runs the calibration pass: ``calibrate=True``, or ``calibrate``
-    not given (``None``) and no setting besides ``layers`` (what ``parse_kvm_spec("auto")`` and ``""`` give)."""
-    rest = [k for k in settings if k not in ("layers", "calibrate", "calibration", "tokenizer", "exact_heads")]
+    not given (``None``) and no setting besides ``layers`` (what ``parse_kvm_spec("auto")`` and ``""`` give) and
+    the per-head budgets' own (``exact_heads``, ``exact_floor``: they shape the automatic setting's reserve)."""
+    rest = [k for k in settings
+            if k not in ("layers", "calibrate", "calibration", "tokenizer", "exact_heads", "exact_floor")]
     return bool(settings.get("calibrate")) or (settings.get("calibrate") is None and not rest)
 
 

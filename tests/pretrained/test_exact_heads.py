@@ -11,7 +11,7 @@ from kvmeans.pretrained.op import ConvertedKVMState, converted_kvm_attention
 from tests.pretrained.test_reserve import _assert_same_state, _qkv
 
 tf = pytest.importorskip("transformers")
-from kvmeans.pretrained.convert import KVMSpec, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
+from kvmeans.pretrained.convert import KVMSpec, calibrates, convert_hf, load_converted, parse_kvm_spec  # noqa: E402
 from tests.pretrained.test_convert import V, ids, tiny  # noqa: E402
 from tests.pretrained.test_exact_rank import vllm_config_of  # noqa: E402
 from tests.pretrained.test_reserve import (  # noqa: E402
@@ -190,5 +190,7 @@ def test_the_floor_is_a_setting_recorded_and_reloaded(tmp_path):
     for bad in ("x", "1.5", "-0.1"):
         with pytest.raises(ValueError, match="exact_floor must be"):
             parse_kvm_spec(f"exact_rows=8,exact_floor={bad}")
+    # a floor alone keeps the automatic setting on, as exact_heads does
+    assert calibrates(parse_kvm_spec("exact_floor=0.25")) and not calibrates(parse_kvm_spec("exact_rows=8"))
     # saved before the setting: the floor those folders were converted with
     assert KVMSpec.from_dict({"budget": 64, "exact_rows": 8, "exact_heads": [[1.0, 0.0]]}).exact_floor == 1 / 12
